@@ -1,0 +1,413 @@
+"""The sans-IO connection: feed it received bytes, get events; tell it what to send, read bytes.
+
+One Connection per TCP connection, for either role. It runs the handshake (version negotiation and
+the HMAC challenge-response) itself, then checks every frame against the tables in states.py.
+Receiving works in two styles over one parser: receive_data(bytes) for simple callers and tests,
+or get_buffer()/buffer_updated(n) so an asyncio BufferedProtocol can read chunk payloads straight
+into their destination. Sending never copies a payload: data_to_send() returns header bytes and the
+caller's own buffers, ready for writelines. No asyncio, sockets, clocks or logging in here.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from enum import Enum
+
+from dilocod.wire import auth
+from dilocod.wire.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
+from dilocod.wire.events import (
+    ChunkReceived,
+    Event,
+    HandshakeCompleted,
+    MessageReceived,
+    PeerWentAway,
+)
+from dilocod.wire.frames import (
+    CHUNK_HEADER_BYTES,
+    HANDSHAKE_FRAMES,
+    HEADER_BYTES,
+    ChunkHeader,
+    FrameHeader,
+    FrameType,
+    decode_chunk_header,
+    decode_header,
+    encode_chunk_header,
+    encode_header,
+)
+from dilocod.wire.limits import DEFAULT_LIMITS, Limits
+from dilocod.wire.messages import (
+    NONCE_BYTES,
+    SESSION_ID_BYTES,
+    AuthChallenge,
+    AuthResponse,
+    Error,
+    Goodbye,
+    Hello,
+    Message,
+    Welcome,
+    decode_body,
+    encode_body,
+)
+from dilocod.wire.states import (
+    CLOSING_FRAMES,
+    HANDSHAKE_RECEIVE,
+    HANDSHAKE_SEND,
+    OPEN_SENDS,
+    Role,
+    State,
+    peer_of,
+)
+
+PROTOCOL_MIN_VERSION = 1
+PROTOCOL_MAX_VERSION = 1
+
+Buffer = bytes | bytearray | memoryview
+#: (transfer id, chunk header, payload length) -> where the payload should land, or None for a
+#: fresh buffer. Raises RemoteProtocolError for chunks the receiver does not expect.
+ChunkSink = Callable[[int, ChunkHeader, int], memoryview | None]
+
+
+class _Phase(Enum):
+    HEADER = 1
+    CHUNK_HEADER = 2
+    BODY = 3
+    PAYLOAD = 4
+
+
+class Connection:
+    """Protocol state of one connection. See protocol/SPEC.md §8 for the state table."""
+
+    def __init__(
+        self,
+        role: Role,
+        *,
+        secret: bytes | None,
+        limits: Limits = DEFAULT_LIMITS,
+        local_id: str = "",
+        incarnation: str = "",
+        capabilities: tuple[str, ...] = (),
+        chunk_sink: ChunkSink | None = None,
+        random_bytes: Callable[[int], bytes] = secrets.token_bytes,
+    ) -> None:
+        self.role = role
+        self.limits = limits
+        self.state = State.START if role is Role.CLIENT else State.AWAIT_HELLO
+        self.kind: str | None = None
+        self.version: int | None = None
+        self.session = b""
+        self.peer: HandshakeCompleted | None = None
+        self._secret = secret
+        self._local_id = local_id
+        self._incarnation = incarnation
+        self._capabilities = capabilities
+        self._random_bytes = random_bytes
+        self.chunk_sink = chunk_sink
+        self._hello: Hello | None = None
+        self._server_nonce = b""
+        self._outgoing: list[Buffer] = []
+        self.bytes_received = 0
+        self.bytes_sent = 0
+        # Receive parser: the buffer being filled, how far, and what it is for.
+        self._head = bytearray(HEADER_BYTES)
+        self._chunk_head = bytearray(CHUNK_HEADER_BYTES)
+        self._phase = _Phase.HEADER
+        self._target: memoryview = memoryview(self._head)
+        self._filled = 0
+        self._frame: FrameHeader | None = None
+        self._chunk: ChunkHeader | None = None
+        self._in_place = False
+
+    # ------------------------------------------------------------------ sending
+
+    def start(self, *, kind: str, role: str, session: bytes = b"") -> None:
+        """Client only: send HELLO for a control or data connection."""
+        if self.role is not Role.CLIENT:
+            raise LocalProtocolError(ErrorCode.UNEXPECTED_FRAME, "only the client says HELLO")
+        self.kind = kind
+        self._hello = Hello(
+            PROTOCOL_MIN_VERSION,
+            PROTOCOL_MAX_VERSION,
+            kind,
+            role,
+            self._local_id,
+            self._random_bytes(NONCE_BYTES),
+            session,
+            self._capabilities,
+        )
+        self.send(self._hello)
+
+    def send(self, message: Message, stream_id: int = 0) -> None:
+        """Queue one control message (or a FRAGMENT_END / STREAM_RESET / ACK of a transfer)."""
+        self._check_send(message.TYPE)
+        body = encode_body(message)
+        self._queue(encode_header(message.TYPE, stream_id, len(body)), body)
+
+    def send_chunk(self, transfer_id: int, chunk: ChunkHeader, payload: Buffer) -> None:
+        """Queue one chunk; payload is lent to the caller of data_to_send() until written."""
+        self._check_send(FrameType.CHUNK)
+        if transfer_id == 0:
+            raise LocalProtocolError(ErrorCode.MALFORMED_BODY, "transfer id 0 is reserved")
+        head = encode_header(FrameType.CHUNK, transfer_id, CHUNK_HEADER_BYTES + len(payload))
+        self._queue(head + encode_chunk_header(chunk), payload)
+
+    def go_away(self, reason: str) -> None:
+        """Say GOODBYE and stop; nothing more is sent or accepted."""
+        if self.state is not State.CLOSED:
+            body = encode_body(Goodbye(reason))
+            self._queue(encode_header(FrameType.GOODBYE, 0, len(body)), body)
+            self.state = State.CLOSED
+
+    def fail(self, code: ErrorCode, message: str) -> None:
+        """Send ERROR and stop (used for our own deadlines and for the peer's protocol errors)."""
+        if self.state is not State.CLOSED:
+            body = encode_body(Error(int(code), message[:1024]))
+            self._queue(encode_header(FrameType.ERROR, 0, len(body)), body)
+            self.state = State.CLOSED
+
+    def data_to_send(self) -> list[Buffer]:
+        out, self._outgoing = self._outgoing, []
+        return out
+
+    def _queue(self, head: bytes, body: Buffer) -> None:
+        self._outgoing.append(head)
+        if len(body):
+            self._outgoing.append(body)
+        self.bytes_sent += len(head) + len(body)
+
+    def _check_send(self, frame_type: FrameType) -> None:
+        if self.state is State.CLOSED:
+            raise LocalProtocolError(ErrorCode.UNEXPECTED_FRAME, f"{frame_type.name} after close")
+        if frame_type in HANDSHAKE_FRAMES:
+            nxt = HANDSHAKE_SEND.get((self.role, self.state, frame_type))
+            if nxt is None:
+                raise LocalProtocolError(
+                    ErrorCode.UNEXPECTED_FRAME, f"{frame_type.name} in state {self.state.value}"
+                )
+            self.state = nxt
+            return
+        if self.state is not State.OPEN or frame_type not in OPEN_SENDS[(self.role, self.kind or "")]:
+            raise LocalProtocolError(
+                ErrorCode.UNEXPECTED_FRAME,
+                f"{self.role.value} may not send {frame_type.name} on a {self.kind} connection "
+                f"in state {self.state.value}",
+            )
+
+    # ---------------------------------------------------------------- receiving
+
+    @property
+    def mid_frame(self) -> bool:
+        """True while part of a frame has arrived; a stall here is what the deadline is for."""
+        return self._phase is not _Phase.HEADER or self._filled > 0
+
+    def get_buffer(self) -> memoryview:
+        """Where the next received bytes should go (never empty while the connection is open)."""
+        return self._target[self._filled :]
+
+    def buffer_updated(self, nbytes: int) -> list[Event]:
+        """nbytes were written at the start of the last get_buffer(); returns completed events."""
+        events: list[Event] = []
+        if self.state is State.CLOSED:
+            self._filled = 0  # discard: a closed connection reads nothing more
+            return events
+        self.bytes_received += nbytes
+        self._filled += nbytes
+        try:
+            while self._filled == len(self._target) and self.state is not State.CLOSED:
+                self._advance(events)
+        except RemoteProtocolError as exc:
+            self.fail(exc.code, exc.message)
+            raise
+        return events
+
+    def receive_data(self, data: Buffer) -> list[Event]:
+        """Feed received bytes; returns the events they complete. Raises RemoteProtocolError."""
+        events: list[Event] = []
+        view = memoryview(data).cast("B")
+        pos = 0
+        while pos < len(view) and self.state is not State.CLOSED:
+            target = self.get_buffer()
+            n = min(len(target), len(view) - pos)
+            target[:n] = view[pos : pos + n]
+            pos += n
+            events.extend(self.buffer_updated(n))
+        return events
+
+    def receive_eof(self) -> list[Event]:
+        """The peer closed its side. Mid-frame that is a truncation; between frames, a departure."""
+        if self.state is State.CLOSED:
+            return []
+        if self.mid_frame:
+            self.state = State.CLOSED
+            raise RemoteProtocolError(ErrorCode.TRUNCATED, "connection closed in the middle of a frame")
+        self.state = State.CLOSED
+        return [PeerWentAway("connection closed")]
+
+    def _expect(self, phase: _Phase, target: memoryview) -> None:
+        self._phase, self._target, self._filled = phase, target, 0
+
+    def _advance(self, events: list[Event]) -> None:
+        phase = self._phase
+        if phase is _Phase.HEADER:
+            frame = decode_header(self._head, self.limits, handshaking=self.state is not State.OPEN)
+            self._check_receive(frame.frame_type)
+            self._frame = frame
+            if frame.frame_type is FrameType.CHUNK:
+                self._expect(_Phase.CHUNK_HEADER, memoryview(self._chunk_head))
+            else:
+                self._expect(_Phase.BODY, memoryview(bytearray(frame.body_length)))
+            return
+        frame = self._frame
+        assert frame is not None
+        if phase is _Phase.CHUNK_HEADER:
+            payload_length = frame.body_length - CHUNK_HEADER_BYTES
+            chunk = decode_chunk_header(self._chunk_head, payload_length, self.limits)
+            target = self.chunk_sink(frame.stream_id, chunk, payload_length) if self.chunk_sink else None
+            self._in_place = target is not None
+            if target is None:
+                target = memoryview(bytearray(payload_length))
+            elif len(target) != payload_length:
+                raise LocalProtocolError(ErrorCode.INTERNAL, "chunk sink lent a buffer of the wrong size")
+            self._chunk = chunk
+            self._expect(_Phase.PAYLOAD, target)
+            return
+        if phase is _Phase.PAYLOAD:
+            assert self._chunk is not None
+            events.append(ChunkReceived(frame.stream_id, self._chunk, self._target, self._in_place))
+        else:
+            self._on_message(frame, decode_body(frame.frame_type, self._target, self.limits), events)
+        self._frame, self._chunk = None, None
+        self._expect(_Phase.HEADER, memoryview(self._head))
+
+    def _check_receive(self, frame_type: FrameType) -> None:
+        if frame_type in CLOSING_FRAMES:
+            return
+        if self.state is State.OPEN:
+            allowed = OPEN_SENDS[(peer_of(self.role), self.kind or "")]
+            if frame_type in allowed:
+                return
+        elif (self.role, self.state, frame_type) in HANDSHAKE_RECEIVE:
+            return
+        raise RemoteProtocolError(
+            ErrorCode.UNEXPECTED_FRAME,
+            f"{frame_type.name} is not allowed from the {peer_of(self.role).value} "
+            f"in state {self.state.value}" + (f" on a {self.kind} connection" if self.kind else ""),
+        )
+
+    def _on_message(self, frame: FrameHeader, message: Message, events: list[Event]) -> None:
+        if isinstance(message, Error):
+            self.state = State.CLOSED
+            events.append(PeerWentAway(message.message, message.code))
+        elif isinstance(message, Goodbye):
+            self.state = State.CLOSED
+            events.append(PeerWentAway(message.reason))
+        elif isinstance(message, Hello):
+            self._on_hello(message)
+        elif isinstance(message, AuthChallenge):
+            self._on_challenge(message)
+        elif isinstance(message, AuthResponse):
+            events.append(self._on_response(message))
+        elif isinstance(message, Welcome):
+            events.append(self._on_welcome(message))
+        else:
+            events.append(MessageReceived(message, frame.stream_id))
+
+    # ---------------------------------------------------------------- handshake
+
+    def _on_hello(self, hello: Hello) -> None:
+        low = max(hello.min_version, PROTOCOL_MIN_VERSION)
+        high = min(hello.max_version, PROTOCOL_MAX_VERSION)
+        if low > high:
+            raise RemoteProtocolError(
+                ErrorCode.UNSUPPORTED_VERSION,
+                f"peer speaks {hello.min_version}..{hello.max_version}, "
+                f"this end {PROTOCOL_MIN_VERSION}..{PROTOCOL_MAX_VERSION}",
+            )
+        self._hello, self.version, self.kind = hello, high, hello.kind
+        self.state = HANDSHAKE_RECEIVE[(self.role, State.AWAIT_HELLO, FrameType.HELLO)]
+        self._server_nonce = self._random_bytes(NONCE_BYTES)
+        method = "hmac-sha256" if self._secret else "none"
+        self.send(AuthChallenge(high, method, self._server_nonce))
+
+    def _on_challenge(self, challenge: AuthChallenge) -> None:
+        hello = self._hello
+        assert hello is not None
+        if not PROTOCOL_MIN_VERSION <= challenge.version <= PROTOCOL_MAX_VERSION:
+            raise RemoteProtocolError(
+                ErrorCode.UNSUPPORTED_VERSION, f"server chose version {challenge.version}"
+            )
+        if challenge.method == "none" and self._secret:
+            # A server that skips authentication while we hold a key may be an impostor.
+            raise RemoteProtocolError(
+                ErrorCode.AUTH_REQUIRED, "server offers no authentication but this end has a secret"
+            )
+        if challenge.method == "hmac-sha256" and not self._secret:
+            raise RemoteProtocolError(
+                ErrorCode.AUTH_REQUIRED, "server requires a shared secret and this end has none"
+            )
+        self.version, self._server_nonce = challenge.version, challenge.nonce
+        self.state = State.AWAIT_WELCOME
+        mac = b""
+        if self._secret:
+            mac = auth.client_proof(self._secret, hello, challenge.version, challenge.nonce)
+        self.send(AuthResponse(mac))
+
+    def _on_response(self, response: AuthResponse) -> HandshakeCompleted:
+        hello = self._hello
+        assert hello is not None and self.version is not None
+        if self._secret:
+            expected = auth.client_proof(self._secret, hello, self.version, self._server_nonce)
+            if not auth.verify(expected, response.mac):
+                raise RemoteProtocolError(ErrorCode.AUTH_FAILED, "authentication failed")
+        self.state = State.OPEN
+        self.session = hello.session or self._random_bytes(SESSION_ID_BYTES)
+        mac = (
+            auth.server_proof(self._secret, hello, self.version, self._server_nonce, self.session)
+            if self._secret
+            else b""
+        )
+        self.send(
+            Welcome(
+                self.session,
+                self._local_id,
+                self._incarnation,
+                mac,
+                self._capabilities,
+                self.limits.max_chunk_bytes,
+                self.limits.max_data_connections,
+            )
+        )
+        self.peer = HandshakeCompleted(
+            self.version,
+            hello.kind,
+            hello.role,
+            hello.peer_id,
+            self.session,
+            self._incarnation,
+            hello.capabilities,
+        )
+        return self.peer
+
+    def _on_welcome(self, welcome: Welcome) -> HandshakeCompleted:
+        hello = self._hello
+        assert hello is not None and self.version is not None
+        if self._secret:
+            expected = auth.server_proof(
+                self._secret, hello, self.version, self._server_nonce, welcome.session
+            )
+            if not auth.verify(expected, welcome.mac):
+                raise RemoteProtocolError(ErrorCode.AUTH_FAILED, "server failed to prove the secret")
+        if hello.session and welcome.session != hello.session:
+            raise RemoteProtocolError(ErrorCode.UNKNOWN_SESSION, "server answered for another session")
+        self.state = State.OPEN
+        self.session = welcome.session
+        self.peer = HandshakeCompleted(
+            self.version,
+            hello.kind,
+            hello.role,
+            welcome.server_id,
+            welcome.session,
+            welcome.incarnation,
+            welcome.capabilities,
+        )
+        return self.peer

@@ -1,0 +1,45 @@
+"""The one Limits object: every peer-declared length, count and size is checked against it
+before anything is allocated. Must not import asyncio, socket, torch or logging.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+
+def chunk_payload_bound(raw_length: int) -> int:
+    """Largest compressed payload a chunk of raw_length may carry.
+
+    Above the zstd and lz4 worst-case expansion of incompressible input; a sender whose codec
+    output would exceed raw_length sends the chunk uncompressed instead, so this bound is slack.
+    """
+    return raw_length + raw_length // 128 + 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Caps on everything a peer can declare. Defaults suit models up to a few billion
+    parameters split into 24 fragments; a deployment may raise them on both ends."""
+
+    max_handshake_body_bytes: int = 4 * KiB
+    max_control_body_bytes: int = 4 * MiB
+    max_chunk_bytes: int = 16 * MiB
+    min_chunk_bytes: int = 4 * KiB
+    max_fragment_bytes: int = 16 * GiB
+    max_tensors_per_fragment: int = 65_536
+    max_name_bytes: int = 1_024
+    max_tensor_rank: int = 8
+    max_transfers_in_flight: int = 64
+    max_data_connections: int = 64
+    max_peer_id_bytes: int = 128
+    max_message_bytes: int = 4 * KiB
+
+    def max_chunks_per_fragment(self) -> int:
+        return -(-self.max_fragment_bytes // self.min_chunk_bytes)
+
+
+DEFAULT_LIMITS = Limits()

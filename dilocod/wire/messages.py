@@ -1,0 +1,511 @@
+"""Typed control messages and their msgpack bodies (protocol/SPEC.md §4).
+
+Each message is a frozen dataclass with the frame type it travels in; bodies are msgpack maps with
+short string keys, decoded with every container and string bounded by Limits, and each field's
+type checked. Tensor payloads never travel in here. Must not import asyncio, socket, torch or logging.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+from dilocod.wire.errors import ErrorCode, RemoteProtocolError
+from dilocod.wire.frames import CODECS_BY_NAME, FrameType
+from dilocod.wire.limits import Limits
+from dilocod.wire.manifest import TensorEntry, parse_manifest
+
+NONCE_BYTES = 32
+SESSION_ID_BYTES = 16
+MAC_BYTES = 32
+CONNECTION_KINDS = ("control", "data")
+AUTH_METHODS = ("hmac-sha256", "none")
+U64_MAX = 2**64 - 1
+
+
+def _malformed(message: str) -> RemoteProtocolError:
+    return RemoteProtocolError(ErrorCode.MALFORMED_BODY, message)
+
+
+class _Body:
+    """Typed accessors over a decoded msgpack map; every miss is the peer's fault."""
+
+    def __init__(self, name: str, raw: object) -> None:
+        if not isinstance(raw, dict):
+            raise _malformed(f"{name} body must be a map")
+        self.name = name
+        self.raw = raw
+
+    def _get(self, key: str, kind: type | tuple[type, ...]) -> Any:
+        if key not in self.raw:
+            raise _malformed(f"{self.name}: missing field {key!r}")
+        value = self.raw[key]
+        # bool is an int in Python; a field that wants an int must not accept True.
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise _malformed(f"{self.name}.{key}: expected {kind}, got {type(value).__name__}")
+        return value
+
+    def uint(self, key: str, maximum: int = U64_MAX) -> int:
+        value = self._get(key, int)
+        if not 0 <= value <= maximum:
+            raise _malformed(f"{self.name}.{key}: {value} outside 0..{maximum}")
+        return value
+
+    def number(self, key: str) -> float:
+        value = self._get(key, (int, float))
+        if isinstance(value, bool) or not math.isfinite(value) or value < 0:
+            raise _malformed(f"{self.name}.{key}: must be a finite non-negative number")
+        return float(value)
+
+    def text(self, key: str, max_bytes: int, choices: tuple[str, ...] | None = None) -> str:
+        value = self._get(key, str)
+        if len(value.encode()) > max_bytes:
+            raise _malformed(f"{self.name}.{key}: longer than {max_bytes} bytes")
+        if choices is not None and value not in choices:
+            raise _malformed(f"{self.name}.{key}: {value!r} not one of {choices}")
+        return value
+
+    def blob(self, key: str, sizes: tuple[int, ...]) -> bytes:
+        value = self._get(key, bytes)
+        if len(value) not in sizes:
+            raise _malformed(f"{self.name}.{key}: {len(value)} bytes, expected one of {sizes}")
+        return value
+
+    def texts(self, key: str, max_items: int, max_bytes: int) -> tuple[str, ...]:
+        value = self._get(key, list)
+        if len(value) > max_items or not all(
+            isinstance(v, str) and len(v.encode()) <= max_bytes for v in value
+        ):
+            raise _malformed(f"{self.name}.{key}: at most {max_items} strings of {max_bytes} bytes")
+        return tuple(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """First frame from the dialing side of every connection."""
+
+    TYPE: ClassVar[FrameType] = FrameType.HELLO
+    min_version: int
+    max_version: int
+    kind: str
+    role: str
+    peer_id: str
+    nonce: bytes
+    session: bytes = b""
+    capabilities: tuple[str, ...] = ()
+
+    def to_body(self) -> dict[str, Any]:
+        return {
+            "min_version": self.min_version,
+            "max_version": self.max_version,
+            "kind": self.kind,
+            "role": self.role,
+            "peer_id": self.peer_id,
+            "nonce": self.nonce,
+            "session": self.session,
+            "capabilities": list(self.capabilities),
+        }
+
+    @classmethod
+    def from_body(cls, b: _Body, limits: Limits) -> Hello:
+        min_version, max_version = b.uint("min_version", 255), b.uint("max_version", 255)
+        if min_version > max_version:
+            raise _malformed("HELLO: min_version above max_version")
+        kind = b.text("kind", 16, CONNECTION_KINDS)
+        session = b.blob("session", (0, SESSION_ID_BYTES))
+        if (kind == "data") != bool(session):
+            raise _malformed("HELLO: data connections name their session, control ones do not")
+        return cls(
+            min_version,
+            max_version,
+            kind,
+            b.text("role", 32),
+            b.text("peer_id", limits.max_peer_id_bytes),
+            b.blob("nonce", (NONCE_BYTES,)),
+            session,
+            b.texts("capabilities", 32, 32),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class AuthChallenge:
+    TYPE: ClassVar[FrameType] = FrameType.AUTH_CHALLENGE
+    version: int
+    method: str
+    nonce: bytes
+
+    def to_body(self) -> dict[str, Any]:
+        return {"version": self.version, "method": self.method, "nonce": self.nonce}
+
+    @classmethod
+    def from_body(cls, b: _Body, limits: Limits) -> AuthChallenge:
+        return cls(
+            b.uint("version", 255), b.text("method", 32, AUTH_METHODS), b.blob("nonce", (NONCE_BYTES,))
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class AuthResponse:
+    TYPE: ClassVar[FrameType] = FrameType.AUTH_RESPONSE
+    mac: bytes
+
+    def to_body(self) -> dict[str, Any]:
+        return {"mac": self.mac}
+
+    @classmethod
+    def from_body(cls, b: _Body, limits: Limits) -> AuthResponse:
+        return cls(b.blob("mac", (0, MAC_BYTES)))
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    TYPE: ClassVar[FrameType] = FrameType.WELCOME
+    session: bytes
+    server_id: str
+    incarnation: str
+    mac: bytes
+    capabilities: tuple[str, ...] = ()
+    max_chunk_bytes: int = 0
+    max_data_connections: int = 0
+
+    def to_body(self) -> dict[str, Any]:
+        return {
+            "session": self.session,
+            "server_id": self.server_id,
+            "incarnation": self.incarnation,
+            "mac": self.mac,
+            "capabilities": list(self.capabilities),
+            "max_chunk_bytes": self.max_chunk_bytes,
+            "max_data_connections": self.max_data_connections,
+        }
+
+    @classmethod
+    def from_body(cls, b: _Body, limits: Limits) -> Welcome:
+        return cls(
+            b.blob("session", (SESSION_ID_BYTES,)),
+            b.text("server_id", 128),
+            b.text("incarnation", 64),
+            b.blob("mac", (0, MAC_BYTES)),
+            b.texts("capabilities", 32, 32),
+            b.uint("max_chunk_bytes", 2**32 - 1),
+            b.uint("max_data_connections", 65535),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    TYPE: ClassVar[FrameType] = FrameType.STEP_REPORT
+    step: int
+    tokens: int
+    step_time_s: float
+
+    def to_body(self) -> dict[str, Any]:
+        return {"step": self.step, "tokens": self.tokens, "step_time_s": self.step_time_s}
+
+    @classmethod
+    def from_body(cls, b: _Body, limits: Limits) -> StepReport:
+        return cls(b.uint("step"), b.uint("tokens"), b.number("step_time_s"))
+
+
+@dataclass(frozen=True, slots=True)
+class FragmentRequest:
+    TYPE: ClassVar[FrameType] = FrameType.FRAGMENT_REQUEST
+    fragment: int
+    round: int
+    version: int
+
+    def to_body(self) -> dict[str, Any]:
+        return {"fragment": self.fragment, "round": self.round, "version": self.version}
+
+    @classmethod
+    def from_body(cls, b: _Body, limits: Limits) -> FragmentRequest:
+        return cls(b.uint("fragment", 2**32 - 1), b.uint("round"), b.uint("version"))
+
+
+@dataclass(frozen=True, slots=True)
+class StreamHeader:
+    """What both fragment stream headers share: the layout of the bytes that follow."""
+
+    manifest: tuple[TensorEntry, ...]
+    raw_bytes: int
+    codec: str
+    chunk_bytes: int
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.raw_bytes // self.chunk_bytes)
+
+    def stream_body(self) -> dict[str, Any]:
+        return {
+            "manifest": [e.to_wire() for e in self.manifest],
+            "raw_bytes": self.raw_bytes,
+            "codec": self.codec,
+            "chunk_bytes": self.chunk_bytes,
+        }
+
+    @staticmethod
+    def parse_stream(b: _Body, limits: Limits) -> tuple[tuple[TensorEntry, ...], int, str, int]:
+        raw_bytes = b.uint("raw_bytes", limits.max_fragment_bytes)
+        chunk_bytes = b.uint("chunk_bytes", limits.max_chunk_bytes)
+        if chunk_bytes < limits.min_chunk_bytes:
+            raise RemoteProtocolError(
+                ErrorCode.LIMIT_EXCEEDED, f"chunk_bytes {chunk_bytes} below {limits.min_chunk_bytes}"
+            )
+        codec = b.text("codec", 16, tuple(CODECS_BY_NAME))
+        manifest = parse_manifest(b.raw.get("manifest"), raw_bytes, limits)
+        return manifest, raw_bytes, codec, chunk_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class PushHeader(StreamHeader):
+    """A learner's outer gradient for one fragment follows as chunks of this transfer."""
+
+    TYPE: ClassVar[FrameType] = FrameType.PUSH_HEADER
+    fragment: int = 0
+    round: int = 0
+    base_version: int = 0
+    c_steps: int = 0
+    c_tokens: int = 0
+
+    def to_body(self) -> dict[str, Any]:
+        return {
+            **self.stream_body(),
+            "fragment": self.fragment,
+            "round": self.round,
+            "base_version": self.base_version,
+            "c_steps": self.c_steps,
+            "c_tokens": self.c_tokens,
+        }
+
+    @classmethod
+    def from_body(cls, b: _Body, limits: Limits) -> PushHeader:
+        return cls(
+            *cls.parse_stream(b, limits),
+            fragment=b.uint("fragment", 2**32 - 1),
+            round=b.uint("round"),
+            base_version=b.uint("base_version"),
+            c_steps=b.uint("c_steps"),
+            c_tokens=b.uint("c_tokens"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateHeader(StreamHeader):
+    """The syncer's merged fragment at a new version follows as chunks of this transfer."""
+
+    TYPE: ClassVar[FrameType] = FrameType.UPDATE_HEADER
+    fragment: int = 0
+    version: int = 0
+
+    def to_body(self) -> dict[str, Any]:
+        return {**self.stream_body(), "fragment": self.fragment, "version": self.version}
+
+    @classmethod
+    def from_body(cls, b: _Body, limits: Limits) -> UpdateHeader:
+        return cls(
+            *cls.parse_stream(b, limits), fragment=b.uint("fragment", 2**32 - 1), version=b.uint("version")
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class FragmentEnd:
+    """All chunks of a transfer were handed to the data connections; the digest covers them."""
+
+    TYPE: ClassVar[FrameType] = FrameType.FRAGMENT_END
+    chunks: int
+    digest: int
+
+    def to_body(self) -> dict[str, Any]:
+        return {"chunks": self.chunks, "digest": self.digest}
+
+    @classmethod
+    def from_body(cls, b: _Body, limits: Limits) -> FragmentEnd:
+        return cls(b.uint("chunks", limits.max_chunks_per_fragment()), b.uint("digest"))
+
+
+@dataclass(frozen=True, slots=True)
+class FragmentAck:
+    """The receiver holds the whole transfer, verified; the sender may release its buffers."""
+
+    TYPE: ClassVar[FrameType] = FrameType.FRAGMENT_ACK
+
+    def to_body(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def from_body(cls, b: _Body, limits: Limits) -> FragmentAck:
+        return cls()
+
+
+@dataclass(frozen=True, slots=True)
+class StreamReset:
+    """Abandon one transfer (either direction) without closing the connection."""
+
+    TYPE: ClassVar[FrameType] = FrameType.STREAM_RESET
+    code: int
+    message: str
+
+    def to_body(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message}
+
+    @classmethod
+    def from_body(cls, b: _Body, limits: Limits) -> StreamReset:
+        return cls(b.uint("code", 65535), b.text("message", 1024))
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    TYPE: ClassVar[FrameType] = FrameType.PING
+    seq: int
+
+    def to_body(self) -> dict[str, Any]:
+        return {"seq": self.seq}
+
+    @classmethod
+    def from_body(cls, b: _Body, limits: Limits) -> Ping:
+        return cls(b.uint("seq"))
+
+
+@dataclass(frozen=True, slots=True)
+class Pong:
+    TYPE: ClassVar[FrameType] = FrameType.PONG
+    seq: int
+
+    def to_body(self) -> dict[str, Any]:
+        return {"seq": self.seq}
+
+    @classmethod
+    def from_body(cls, b: _Body, limits: Limits) -> Pong:
+        return cls(b.uint("seq"))
+
+
+@dataclass(frozen=True, slots=True)
+class StatusRequest:
+    TYPE: ClassVar[FrameType] = FrameType.STATUS_REQUEST
+
+    def to_body(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def from_body(cls, b: _Body, limits: Limits) -> StatusRequest:
+        return cls()
+
+
+@dataclass(frozen=True, slots=True)
+class StatusResponse:
+    """A daemon's status as a JSON-compatible map (its schema belongs to the daemon)."""
+
+    TYPE: ClassVar[FrameType] = FrameType.STATUS_RESPONSE
+    status: dict[str, Any] = field(default_factory=dict)
+
+    def to_body(self) -> dict[str, Any]:
+        return {"status": self.status}
+
+    @classmethod
+    def from_body(cls, b: _Body, limits: Limits) -> StatusResponse:
+        return cls(b._get("status", dict))
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    TYPE: ClassVar[FrameType] = FrameType.ERROR
+    code: int
+    message: str
+
+    def to_body(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message}
+
+    @classmethod
+    def from_body(cls, b: _Body, limits: Limits) -> Error:
+        return cls(b.uint("code", 65535), b.text("message", 1024))
+
+
+@dataclass(frozen=True, slots=True)
+class Goodbye:
+    TYPE: ClassVar[FrameType] = FrameType.GOODBYE
+    reason: str
+
+    def to_body(self) -> dict[str, Any]:
+        return {"reason": self.reason}
+
+    @classmethod
+    def from_body(cls, b: _Body, limits: Limits) -> Goodbye:
+        return cls(b.text("reason", 1024))
+
+
+Message = (
+    Hello
+    | AuthChallenge
+    | AuthResponse
+    | Welcome
+    | StepReport
+    | FragmentRequest
+    | PushHeader
+    | UpdateHeader
+    | FragmentEnd
+    | FragmentAck
+    | StreamReset
+    | Ping
+    | Pong
+    | StatusRequest
+    | StatusResponse
+    | Error
+    | Goodbye
+)
+MESSAGE_TYPES: dict[FrameType, Any] = {
+    cls.TYPE: cls
+    for cls in (
+        Hello,
+        AuthChallenge,
+        AuthResponse,
+        Welcome,
+        StepReport,
+        FragmentRequest,
+        PushHeader,
+        UpdateHeader,
+        FragmentEnd,
+        FragmentAck,
+        StreamReset,
+        Ping,
+        Pong,
+        StatusRequest,
+        StatusResponse,
+        Error,
+        Goodbye,
+    )
+}
+
+
+def encode_body(message: Message) -> bytes:
+    return msgpack.packb(message.to_body(), use_bin_type=True)
+
+
+def decode_body(frame_type: FrameType, body: bytes | bytearray | memoryview, limits: Limits) -> Message:
+    """Decode one control body; anything but a well-formed message is a RemoteProtocolError."""
+    cls = MESSAGE_TYPES[frame_type]
+    size = len(body)
+    try:
+        raw = msgpack.unpackb(
+            body,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+            max_str_len=size,
+            max_bin_len=size,
+            max_array_len=size,
+            max_map_len=size,
+            max_ext_len=0,
+        )
+    except (
+        ValueError,
+        TypeError,
+        msgpack.ExtraData,
+        msgpack.FormatError,
+        msgpack.StackError,
+        UnicodeDecodeError,
+    ) as exc:
+        raise _malformed(f"{frame_type.name}: undecodable msgpack ({exc})") from None
+    return cls.from_body(_Body(frame_type.name, raw), limits)

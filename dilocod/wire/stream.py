@@ -1,0 +1,214 @@
+"""Fragment stream bookkeeping on both ends, shared by all connections of one session.
+
+A fragment travels as a header on the control connection, chunks striped over the data
+connections, and FRAGMENT_END with the digest. TCP orders bytes only within one connection, so a
+chunk may overtake its header: the InboundStreams table keeps such early chunks (bounded) until the
+header names their destination. Chunks are reassembled by sequence number; duplicates (a sender
+resending what a lost connection carried) are dropped. OutboundTransfer remembers which connection
+carried which chunk until the receiver acknowledges, so a lost connection's chunks can be resent on
+the survivors. Pure bookkeeping: no asyncio, socket, torch or logging.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from dilocod.wire.codecs import fragment_digest
+from dilocod.wire.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
+from dilocod.wire.frames import ChunkHeader, Codec
+from dilocod.wire.limits import Limits
+from dilocod.wire.messages import FragmentEnd, PushHeader, UpdateHeader
+
+StreamHeader = PushHeader | UpdateHeader
+#: Called once a header is validated: returns a writable buffer of exactly header.raw_bytes.
+Allocate = Callable[[StreamHeader], memoryview]
+
+_PENDING, _ARRIVING, _DONE = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class FragmentAssembled:
+    """Every chunk arrived and verified, and the end digest matches."""
+
+    transfer_id: int
+    header: StreamHeader
+    buffer: memoryview
+
+
+@dataclass(slots=True)
+class _Inbound:
+    header: StreamHeader
+    buffer: memoryview
+    state: bytearray
+    checksums: list[int]
+    done: int = 0
+    end: FragmentEnd | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class EarlyChunk:
+    chunk: ChunkHeader
+    payload: memoryview
+
+
+class InboundStreams:
+    """Receiving side of one session: transfer id -> destination buffer and chunk states."""
+
+    def __init__(self, limits: Limits, allocate: Allocate, max_early_bytes: int = 64 * 1024 * 1024):
+        self.limits = limits
+        self._allocate = allocate
+        self._transfers: dict[int, _Inbound] = {}
+        self._early: dict[int, list[EarlyChunk]] = {}
+        self._early_bytes = 0
+        self._max_early_bytes = max_early_bytes
+        self._finished: set[int] = set()  # completed or reset ids: late duplicates are dropped
+
+    def __len__(self) -> int:
+        return len(self._transfers)
+
+    def open(self, transfer_id: int, header: StreamHeader) -> list[EarlyChunk]:
+        """Register a header; returns chunks that arrived before it, to be decoded now."""
+        if transfer_id in self._transfers or transfer_id in self._finished:
+            raise RemoteProtocolError(ErrorCode.DUPLICATE_TRANSFER, f"transfer {transfer_id} reused")
+        if len(self._transfers) >= self.limits.max_transfers_in_flight:
+            raise RemoteProtocolError(
+                ErrorCode.LIMIT_EXCEEDED, f"more than {self.limits.max_transfers_in_flight} transfers"
+            )
+        buffer = self._allocate(header)
+        if len(buffer) != header.raw_bytes:
+            raise LocalProtocolError(ErrorCode.INTERNAL, "allocator returned a buffer of the wrong size")
+        n = header.chunks
+        self._transfers[transfer_id] = _Inbound(header, buffer, bytearray(n), [0] * n)
+        early = self._early.pop(transfer_id, [])
+        self._early_bytes -= sum(len(e.payload) for e in early)
+        return early
+
+    def chunk_target(self, transfer_id: int, chunk: ChunkHeader, payload_length: int) -> memoryview | None:
+        """ChunkSink for every connection of the session: uncompressed chunks of a known transfer
+        land in their final place; everything else gets a fresh buffer (None)."""
+        inbound = self._transfers.get(transfer_id)
+        if inbound is None:
+            if transfer_id not in self._finished:
+                self._early_bytes += payload_length
+                if self._early_bytes > self._max_early_bytes:
+                    raise RemoteProtocolError(
+                        ErrorCode.UNKNOWN_TRANSFER, f"chunks for undeclared transfer {transfer_id}"
+                    )
+            return None
+        start = self._check_chunk(inbound, chunk)
+        if chunk.codec is not Codec.NONE or inbound.state[chunk.seq] != _PENDING:
+            return None
+        inbound.state[chunk.seq] = _ARRIVING
+        return inbound.buffer[start : start + chunk.raw_length]
+
+    def _check_chunk(self, inbound: _Inbound, chunk: ChunkHeader) -> int:
+        header = inbound.header
+        if chunk.seq >= header.chunks:
+            raise RemoteProtocolError(
+                ErrorCode.LENGTH_MISMATCH, f"chunk {chunk.seq} of a {header.chunks}-chunk fragment"
+            )
+        start = chunk.seq * header.chunk_bytes
+        expected = min(header.chunk_bytes, header.raw_bytes - start)
+        if chunk.raw_length != expected:
+            raise RemoteProtocolError(
+                ErrorCode.LENGTH_MISMATCH,
+                f"chunk {chunk.seq} has {chunk.raw_length} raw bytes, not {expected}",
+            )
+        return start
+
+    def destination(
+        self, transfer_id: int, chunk: ChunkHeader, payload: memoryview, in_place: bool = False
+    ) -> memoryview | None:
+        """Where a received chunk decodes to; None means drop it (a duplicate or a finished
+        transfer). in_place says the payload already sits in the slice chunk_target lent. A chunk
+        of an undeclared transfer is kept until its header arrives."""
+        inbound = self._transfers.get(transfer_id)
+        if inbound is None:
+            if transfer_id not in self._finished:
+                self._early.setdefault(transfer_id, []).append(EarlyChunk(chunk, payload))
+            return None
+        start = self._check_chunk(inbound, chunk)
+        state = inbound.state[chunk.seq]
+        if state == _DONE:
+            return None
+        view = inbound.buffer[start : start + chunk.raw_length]
+        if state == _ARRIVING and not in_place:
+            return None  # a duplicate while the first copy is still being verified
+        inbound.state[chunk.seq] = _ARRIVING
+        return view
+
+    def chunk_verified(self, transfer_id: int, chunk: ChunkHeader) -> FragmentAssembled | None:
+        inbound = self._transfers.get(transfer_id)
+        if inbound is None or inbound.state[chunk.seq] == _DONE:
+            return None
+        inbound.state[chunk.seq] = _DONE
+        inbound.checksums[chunk.seq] = chunk.checksum
+        inbound.done += 1
+        return self._maybe_complete(transfer_id, inbound)
+
+    def chunk_failed(self, transfer_id: int, chunk: ChunkHeader) -> None:
+        """A chunk failed verification: the whole transfer is void (the caller resets it)."""
+        self.reset(transfer_id)
+
+    def end(self, transfer_id: int, end: FragmentEnd) -> FragmentAssembled | None:
+        inbound = self._transfers.get(transfer_id)
+        if inbound is None:
+            raise RemoteProtocolError(
+                ErrorCode.UNKNOWN_TRANSFER, f"FRAGMENT_END for unknown transfer {transfer_id}"
+            )
+        if end.chunks != inbound.header.chunks:
+            raise RemoteProtocolError(
+                ErrorCode.LENGTH_MISMATCH, f"end counts {end.chunks} chunks, header {inbound.header.chunks}"
+            )
+        inbound.end = end
+        return self._maybe_complete(transfer_id, inbound)
+
+    def _maybe_complete(self, transfer_id: int, inbound: _Inbound) -> FragmentAssembled | None:
+        if inbound.end is None or inbound.done < inbound.header.chunks:
+            return None
+        if fragment_digest(inbound.checksums) != inbound.end.digest:
+            self.reset(transfer_id)
+            raise RemoteProtocolError(
+                ErrorCode.DIGEST_MISMATCH, f"transfer {transfer_id}: end digest differs"
+            )
+        del self._transfers[transfer_id]
+        self._finished.add(transfer_id)
+        return FragmentAssembled(transfer_id, inbound.header, inbound.buffer)
+
+    def reset(self, transfer_id: int) -> None:
+        """Forget a transfer (failed, or reset by the sender); later chunks of it are dropped."""
+        self._transfers.pop(transfer_id, None)
+        early = self._early.pop(transfer_id, [])
+        self._early_bytes -= sum(len(e.payload) for e in early)
+        self._finished.add(transfer_id)
+
+    def missing(self, transfer_id: int) -> int:
+        inbound = self._transfers.get(transfer_id)
+        return 0 if inbound is None else inbound.header.chunks - inbound.done
+
+
+@dataclass(slots=True)
+class OutboundTransfer:
+    """Sending side of one transfer: what each connection carried, until the receiver acks."""
+
+    transfer_id: int
+    chunks: int
+    checksums: list[int] = field(default_factory=list)
+    carried_by: dict[int, list[int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.chunks <= 0:
+            raise LocalProtocolError(ErrorCode.INTERNAL, "a transfer has at least one chunk")
+        self.checksums = [0] * self.chunks
+
+    def record(self, seq: int, connection: int, chunk_checksum: int) -> None:
+        self.checksums[seq] = chunk_checksum
+        self.carried_by.setdefault(connection, []).append(seq)
+
+    def connection_lost(self, connection: int) -> list[int]:
+        """Sequence numbers that went out on a lost connection and must be sent again."""
+        return self.carried_by.pop(connection, [])
+
+    def end(self) -> FragmentEnd:
+        return FragmentEnd(self.chunks, fragment_digest(self.checksums))

@@ -1,0 +1,232 @@
+"""Dialing and listening: the small public async API of the transport.
+
+connect() opens a session (control connection, then N data connections that name it);
+Server accepts connections, authenticates each on its own, groups data connections under their
+session, and runs one handler task per session in its TaskGroup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import ssl as ssl_module
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from types import TracebackType
+
+from dilocod.transport.errors import HandshakeFailed
+from dilocod.transport.options import TransportOptions
+from dilocod.transport.protocol import FrameProtocol
+from dilocod.transport.session import Session
+from dilocod.wire.connection import Connection
+from dilocod.wire.errors import ErrorCode, ProtocolError
+from dilocod.wire.events import HandshakeCompleted
+from dilocod.wire.limits import DEFAULT_LIMITS, Limits
+from dilocod.wire.states import Role
+from dilocod.wire.stream import Allocate
+
+CAPABILITIES = ("lz4", "zstd", "shuffle")
+Handler = Callable[[Session], Awaitable[None]]
+
+
+def _executor(options: TransportOptions) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=max(1, options.codec_threads), thread_name_prefix="dilocod-codec")
+
+
+async def _dial(
+    host: str,
+    port: int,
+    *,
+    peer_id: str,
+    role: str,
+    kind: str,
+    session: bytes,
+    secret: bytes | None,
+    ssl: ssl_module.SSLContext | None,
+    options: TransportOptions,
+    limits: Limits,
+) -> tuple[FrameProtocol, HandshakeCompleted]:
+    loop = asyncio.get_running_loop()
+    conn = Connection(Role.CLIENT, secret=secret, limits=limits, local_id=peer_id, capabilities=CAPABILITIES)
+    try:
+        async with asyncio.timeout(options.handshake_timeout_s):
+            _, proto = await loop.create_connection(
+                lambda: FrameProtocol(conn, options),
+                host,
+                port,
+                ssl=ssl,
+                server_hostname=host if ssl else None,
+            )
+            conn.start(kind=kind, role=role, session=session)
+            proto.flush()
+            try:
+                peer = await asyncio.shield(proto.handshake)
+            except ProtocolError as exc:
+                raise HandshakeFailed(exc.code, exc.message) from None
+    except TimeoutError:
+        raise HandshakeFailed(
+            ErrorCode.TIMEOUT, f"no session with {host}:{port} within {options.handshake_timeout_s} s"
+        ) from None
+    return proto, peer
+
+
+async def connect(
+    host: str,
+    port: int,
+    *,
+    peer_id: str,
+    role: str = "learner",
+    secret: bytes | None = None,
+    ssl: ssl_module.SSLContext | None = None,
+    streams: int = 1,
+    options: TransportOptions | None = None,
+    limits: Limits = DEFAULT_LIMITS,
+    allocate: Allocate | None = None,
+) -> Session:
+    """Open a session: authenticate the control connection, then `streams` data connections.
+
+    Raises HandshakeFailed (credentials, version, timeout) or OSError (nothing listening).
+    """
+    options = options or TransportOptions()
+    if not 0 <= streams <= limits.max_data_connections:
+        raise ValueError(f"streams must be in 0..{limits.max_data_connections}")
+    kw = {
+        "peer_id": peer_id,
+        "role": role,
+        "secret": secret,
+        "ssl": ssl,
+        "options": options,
+        "limits": limits,
+    }
+    control, peer = await _dial(host, port, kind="control", session=b"", **kw)
+    session = Session(
+        control,
+        peer,
+        role=Role.CLIENT,
+        options=options,
+        limits=limits,
+        executor=_executor(options),
+        allocate=allocate,
+        owns_executor=True,
+    )
+    try:
+        dials = [_dial(host, port, kind="data", session=peer.session, **kw) for _ in range(streams)]
+        for proto, _ in await asyncio.gather(*dials):
+            session.attach_data(proto)
+    except BaseException:
+        await session.close("data connections failed")
+        raise
+    return session
+
+
+class Server:
+    """Accepts sessions and runs `handler(session)` for each, concurrently, until closed.
+
+    Use as `async with Server(...) as server:`; handlers are cancelled when the block exits.
+    A handler's exception closes its own session and is kept in `handler_errors`; it never
+    disturbs other sessions.
+    """
+
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        server_id: str,
+        secret: bytes | None,
+        ssl: ssl_module.SSLContext | None = None,
+        options: TransportOptions | None = None,
+        limits: Limits = DEFAULT_LIMITS,
+        allocate: Allocate | None = None,
+        incarnation: str | None = None,
+    ) -> None:
+        self.handler = handler
+        self.server_id = server_id
+        self.incarnation = incarnation or secrets.token_hex(8)
+        self.options = options or TransportOptions()
+        self.limits = limits
+        self.sessions: dict[bytes, Session] = {}
+        self.handler_errors: list[BaseException] = []
+        self.rejected_connections = 0
+        self._secret = secret
+        self._ssl = ssl
+        self._allocate = allocate
+        self._server: asyncio.Server | None = None
+        self._tasks: asyncio.TaskGroup | None = None
+        self._executor = _executor(self.options)
+
+    async def __aenter__(self) -> Server:
+        self._tasks = asyncio.TaskGroup()
+        await self._tasks.__aenter__()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+        assert self._tasks is not None
+        await self._tasks.__aexit__(exc_type, exc, tb)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def listen(self, host: str, port: int) -> tuple[str, int]:
+        """Bind and start accepting; returns the bound address (port 0 picks a free one)."""
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            self._new_connection, host, port, ssl=self._ssl, reuse_address=True, backlog=512
+        )
+        address = self._server.sockets[0].getsockname()
+        return address[0], address[1]
+
+    async def close(self, reason: str = "server shutting down") -> None:
+        if self._server is not None:
+            self._server.close()
+        for session in list(self.sessions.values()):
+            await session.close(reason)
+
+    def _new_connection(self) -> FrameProtocol:
+        conn = Connection(
+            Role.SERVER,
+            secret=self._secret,
+            limits=self.limits,
+            local_id=self.server_id,
+            incarnation=self.incarnation,
+            capabilities=CAPABILITIES,
+        )
+        proto = FrameProtocol(conn, self.options)
+        proto.handshake.add_done_callback(lambda fut: self._handshaken(proto, fut))
+        return proto
+
+    def _handshaken(self, proto: FrameProtocol, fut: asyncio.Future[HandshakeCompleted]) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            self.rejected_connections += 1
+            return
+        peer = fut.result()
+        if peer.kind == "data":
+            session = self.sessions.get(peer.session)
+            if session is None or session.peer.peer_id != peer.peer_id or not session.is_open:
+                proto.abort(ErrorCode.UNKNOWN_SESSION, "no open session with that id for this peer")
+                return
+            session.attach_data(proto)
+            return
+        session = Session(
+            proto,
+            peer,
+            role=Role.SERVER,
+            options=self.options,
+            limits=self.limits,
+            executor=self._executor,
+            allocate=self._allocate,
+        )
+        self.sessions[peer.session] = session
+        assert self._tasks is not None
+        self._tasks.create_task(self._run(session), name=f"session {peer.peer_id}")
+
+    async def _run(self, session: Session) -> None:
+        try:
+            await self.handler(session)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a handler's bug closes its session, never the server
+            self.handler_errors.append(exc)
+        finally:
+            self.sessions.pop(session.session_id, None)
+            await session.close("session ended")

@@ -1,0 +1,27 @@
+"""Errors a transport user sees; each says what to do (retry, fix credentials, give up)."""
+
+from __future__ import annotations
+
+from dilocod.wire.errors import ErrorCode
+
+
+class SessionClosed(ConnectionError):
+    """The session's control connection is gone; reconnect to go on."""
+
+
+class HandshakeFailed(ConnectionError):
+    """The peer refused us or we refused it before the session opened (wrong secret, version)."""
+
+    def __init__(self, code: ErrorCode | None, message: str) -> None:
+        super().__init__(f"{code.name if code else 'CLOSED'}: {message}")
+        self.code = code
+        self.message = message
+
+
+class TransferFailed(ConnectionError):
+    """One fragment transfer failed as a whole; nothing partial was delivered. Safe to retry."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message

@@ -1,0 +1,35 @@
+"""Transport tunables: deadlines, chunking, threads and buffer sizes, with the reasons for each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dilocod.wire.limits import MiB
+
+
+@dataclass(frozen=True, slots=True)
+class TransportOptions:
+    #: Chunk size: large enough that per-chunk overhead (two small reads, a checksum call) vanishes,
+    #: small enough to stripe a fragment over many connections and compress on a thread pool.
+    chunk_bytes: int = 1 * MiB
+    #: Threads for compressing and decompressing chunks; zstd and lz4 release the GIL.
+    codec_threads: int = 2
+    #: Fixed socket buffers in bytes, or None to leave Linux autotuning (up to tcp_rmem max) on.
+    socket_buffer_bytes: int | None = None
+    congestion: str | None = "bbr"
+    handshake_timeout_s: float = 10.0
+    #: A peer that sends part of a frame and then nothing for this long is cut off.
+    stall_timeout_s: float = 30.0
+    #: Longest wait for a peer to drain what we wrote (a peer that stops reading).
+    write_timeout_s: float = 60.0
+    #: Longest wait for a receiver to acknowledge a whole fragment after its end marker.
+    ack_timeout_s: float = 120.0
+    #: Longest a receiver keeps an incomplete inbound transfer.
+    transfer_timeout_s: float = 300.0
+    #: A quiet session is pinged this often; silence for idle_timeout_s closes it.
+    ping_interval_s: float = 5.0
+    idle_timeout_s: float = 30.0
+    #: Decodes queued behind the codec threads before data connections stop reading.
+    max_pending_decodes: int = 16
+    #: Control messages queued for the application before the control connection stops reading.
+    max_queued_messages: int = 1024

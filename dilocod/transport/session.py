@@ -1,0 +1,463 @@
+"""Session: one control connection plus N data connections to one peer, on either end.
+
+Owns fragment transfers in both directions. Sending: the header goes on the control connection,
+chunks are compressed on a thread pool (in order, a few ahead) and written to the least-loaded data
+connection, then FRAGMENT_END; the send completes when the receiver acknowledges, and a lost data
+connection's chunks are resent on the survivors meanwhile. Receiving: chunks land in the
+destination buffer (straight from the socket when uncompressed), are verified or decompressed off
+the loop, and a whole verified fragment is acknowledged and queued for recv(). Transfer ids are
+odd when the client sends and even when the server does, so a STREAM_RESET is never ambiguous.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from collections.abc import Iterable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from functools import partial
+
+from dilocod.transport.errors import SessionClosed, TransferFailed
+from dilocod.transport.options import TransportOptions
+from dilocod.transport.protocol import FrameProtocol
+from dilocod.wire import codecs
+from dilocod.wire.errors import ErrorCode, RemoteProtocolError
+from dilocod.wire.events import ChunkReceived, Event, HandshakeCompleted, MessageReceived, PeerWentAway
+from dilocod.wire.frames import CODECS_BY_NAME, ChunkHeader, Codec
+from dilocod.wire.limits import Limits
+from dilocod.wire.messages import (
+    FragmentAck,
+    FragmentEnd,
+    Message,
+    Ping,
+    PushHeader,
+    StreamReset,
+    UpdateHeader,
+)
+from dilocod.wire.states import Role
+from dilocod.wire.stream import Allocate, FragmentAssembled, InboundStreams, OutboundTransfer, StreamHeader
+
+CONTROL_INDEX = -1
+
+
+@dataclass(frozen=True, slots=True)
+class FragmentReceived:
+    """A whole fragment, verified chunk by chunk and against its end digest."""
+
+    transfer_id: int
+    header: StreamHeader
+    buffer: memoryview
+
+
+Incoming = Message | FragmentReceived
+
+
+def allocate_bytearray(header: StreamHeader) -> memoryview:
+    return memoryview(bytearray(header.raw_bytes))
+
+
+def _encode(codec: Codec, raw: memoryview, shuffle: int) -> tuple[Codec, int, codecs.Buffer, int]:
+    used, used_shuffle, payload = codecs.compress(codec, raw, shuffle)
+    return used, used_shuffle, payload, codecs.checksum(raw)
+
+
+@dataclass(slots=True)
+class _Send:
+    header: StreamHeader
+    view: memoryview
+    shuffle: int
+    out: OutboundTransfer
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    resend: list[int] = field(default_factory=list)
+    acked: bool = False
+    error: BaseException | None = None
+
+
+class Session:
+    def __init__(
+        self,
+        control: FrameProtocol,
+        peer: HandshakeCompleted,
+        *,
+        role: Role,
+        options: TransportOptions,
+        limits: Limits,
+        executor: Executor,
+        allocate: Allocate | None = None,
+        owns_executor: bool = False,
+    ) -> None:
+        self.control = control
+        self.peer = peer
+        self.role = role
+        self.options = options
+        self.data: list[FrameProtocol] = []
+        self._loop = asyncio.get_running_loop()
+        self._executor = executor
+        self._owns_executor = owns_executor
+        self._inbound = InboundStreams(limits, allocate or allocate_bytearray)
+        self._inbound_opened: dict[int, float] = {}
+        self._outbound: dict[int, _Send] = {}
+        # Client-sent transfers are odd, server-sent even (protocol/SPEC.md §6).
+        self._transfer_ids = itertools.count(1 if role is Role.CLIENT else 2, 2)
+        self._data_index = itertools.count()
+        self._incoming: deque[Incoming] = deque()
+        self._wakeup = asyncio.Event()
+        self._pending_decodes = 0
+        self._reading_paused = False
+        self._control_paused = False
+        self._ping_seq = itertools.count(1)
+        self.close_reason: str | None = None
+        self.closed = asyncio.Event()
+        self.bytes_payload_sent = 0
+        self.bytes_payload_received = 0
+        control.conn.chunk_sink = self._inbound.chunk_target
+        control.attach(self._on_event, self._on_control_lost)
+        self._timer = self._loop.call_later(options.ping_interval_s, self._keepalive)
+
+    # ----------------------------------------------------------------- public
+
+    @property
+    def session_id(self) -> bytes:
+        return self.peer.session
+
+    @property
+    def is_open(self) -> bool:
+        return not self.closed.is_set()
+
+    def attach_data(self, proto: FrameProtocol) -> None:
+        """Add an authenticated data connection of this session."""
+        proto.index = next(self._data_index)
+        proto.conn.chunk_sink = self._inbound.chunk_target
+        self.data.append(proto)
+        proto.attach(self._on_event, self._on_data_lost)
+
+    async def send(self, message: Message, stream_id: int = 0) -> None:
+        """Send one control message, waiting (with the write deadline) while the peer is slow."""
+        self._check_open()
+        self.control.send(message, stream_id)
+        try:
+            await self.control.drain()
+        except TimeoutError:
+            self.control.abort(ErrorCode.TIMEOUT, "peer stopped reading the control connection")
+            raise SessionClosed("peer stopped reading") from None
+
+    async def recv(self) -> Incoming:
+        """Next control message or whole fragment from the peer; SessionClosed once it is gone."""
+        while not self._incoming:
+            if self.closed.is_set():
+                raise SessionClosed(self.close_reason or "session closed")
+            self._wakeup.clear()
+            await self._wakeup.wait()
+        item = self._incoming.popleft()
+        if self._control_paused and len(self._incoming) < self.options.max_queued_messages // 2:
+            self._control_paused = False
+            if self.control.transport is not None:
+                self.control.transport.resume_reading()
+        return item
+
+    async def send_fragment(
+        self, header: PushHeader | UpdateHeader, buffer: codecs.Buffer, *, shuffle_item_size: int = 0
+    ) -> int:
+        """Stream one fragment and wait for the receiver's acknowledgement.
+
+        buffer is lent until this returns (chunks are written from it without copies). Raises
+        TransferFailed (retry the fragment) or SessionClosed (reconnect).
+        """
+        self._check_open()
+        view = memoryview(buffer).cast("B")
+        if len(view) != header.raw_bytes:
+            raise ValueError(f"buffer holds {len(view)} bytes, header declares {header.raw_bytes}")
+        transfer_id = next(self._transfer_ids)
+        send = _Send(header, view, shuffle_item_size, OutboundTransfer(transfer_id, header.chunks))
+        self._outbound[transfer_id] = send
+        try:
+            await self.send(header, transfer_id)
+            await self._send_chunks(transfer_id, send, range(header.chunks))
+            await self.send(send.out.end(), transfer_id)
+            deadline = self._loop.time() + self.options.ack_timeout_s
+            while not send.acked:
+                if send.error is not None:
+                    raise send.error
+                if send.resend:
+                    seqs, send.resend = send.resend, []
+                    await self._send_chunks(transfer_id, send, seqs)
+                    continue
+                send.wake.clear()
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        await send.wake.wait()
+                except TimeoutError:
+                    if self.control.is_open:
+                        self.control.send(StreamReset(ErrorCode.TIMEOUT, "no acknowledgement"), transfer_id)
+                    raise TransferFailed(ErrorCode.TIMEOUT, "receiver did not acknowledge in time") from None
+        finally:
+            del self._outbound[transfer_id]
+        self.bytes_payload_sent += header.raw_bytes
+        return transfer_id
+
+    async def close(self, reason: str = "closing") -> None:
+        """Say goodbye on every connection and wait (briefly) for them to close."""
+        if not self.closed.is_set():
+            for proto in [*self.data, self.control]:
+                if proto.is_open:
+                    proto.go_away(reason)
+            self._finish(reason)
+        waits = [p.closed for p in [*self.data, self.control]]
+        if waits:
+            await asyncio.wait(waits, timeout=self.options.handshake_timeout_s)
+
+    # ------------------------------------------------------------- sending side
+
+    async def _send_chunks(self, transfer_id: int, send: _Send, seqs: Iterable[int]) -> None:
+        codec = CODECS_BY_NAME[send.header.codec]
+        chunk_bytes = send.header.chunk_bytes
+        depth = max(1, self.options.codec_threads * 2)
+        window: deque[tuple[int, asyncio.Future[tuple[Codec, int, codecs.Buffer, int]]]] = deque()
+
+        def submit(seq: int) -> None:
+            raw = send.view[seq * chunk_bytes : (seq + 1) * chunk_bytes]
+            if codec is Codec.NONE:
+                future = self._loop.create_future()
+                future.set_result((Codec.NONE, 0, raw, codecs.checksum(raw)))
+            else:
+                future = self._loop.run_in_executor(self._executor, _encode, codec, raw, send.shuffle)
+            window.append((seq, future))
+
+        try:
+            for seq in seqs:
+                submit(seq)
+                if len(window) >= depth:
+                    await self._write_chunk(transfer_id, send, *window.popleft())
+            while window:
+                await self._write_chunk(transfer_id, send, *window.popleft())
+        finally:
+            for _, future in window:
+                future.cancel()
+
+    async def _write_chunk(
+        self,
+        transfer_id: int,
+        send: _Send,
+        seq: int,
+        encoded: asyncio.Future[tuple[Codec, int, codecs.Buffer, int]],
+    ) -> None:
+        used, shuffle, payload, checksum = await encoded
+        raw_length = min(send.header.chunk_bytes, send.header.raw_bytes - seq * send.header.chunk_bytes)
+        proto = await self._pick_connection()
+        proto.send_chunk(transfer_id, ChunkHeader(seq, raw_length, used, shuffle, checksum), payload)
+        send.out.record(seq, proto.index, checksum)
+
+    async def _pick_connection(self) -> FrameProtocol:
+        """The open data connection with the least unsent data; the control one if none is left."""
+        while True:
+            self._check_open()
+            candidates = [p for p in self.data if p.is_open] or [self.control]
+            best = min(candidates, key=lambda p: (p.paused, p.write_buffer_size()))
+            if not best.paused:
+                return best
+            try:
+                await best.drain()
+            except ConnectionError:
+                continue  # lost while we waited: its chunks are queued for resending
+            except TimeoutError:
+                best.abort(ErrorCode.TIMEOUT, "peer stopped reading this connection")
+
+    # ----------------------------------------------------------- receiving side
+
+    def _on_event(self, proto: FrameProtocol, event: Event) -> None:
+        if isinstance(event, ChunkReceived):
+            self._on_chunk(event)
+        elif isinstance(event, MessageReceived):
+            self._on_message(proto, event)
+        elif isinstance(event, PeerWentAway) and proto is self.control:
+            self._finish(f"peer went away: {event.reason}")
+
+    def _on_message(self, proto: FrameProtocol, event: MessageReceived) -> None:
+        message, transfer_id = event.message, event.stream_id
+        if isinstance(message, PushHeader | UpdateHeader):
+            self._open_inbound(transfer_id, message)
+        elif isinstance(message, FragmentEnd):
+            self._guard(transfer_id, partial(self._inbound.end, transfer_id, message))
+        elif isinstance(message, FragmentAck):
+            send = self._outbound.get(transfer_id)
+            if send is not None:
+                send.acked = True
+                send.wake.set()
+        elif isinstance(message, StreamReset):
+            self._on_reset(transfer_id, message)
+        elif not isinstance(message, Ping):
+            self._queue(message)
+
+    def _on_reset(self, transfer_id: int, reset: StreamReset) -> None:
+        send = self._outbound.get(transfer_id)
+        if send is not None:
+            try:
+                code = ErrorCode(reset.code)
+            except ValueError:
+                code = ErrorCode.TRANSFER_ABORTED
+            send.error = TransferFailed(code, f"receiver reset the transfer: {reset.message}")
+            send.wake.set()
+        else:
+            self._inbound.reset(transfer_id)
+            self._inbound_opened.pop(transfer_id, None)
+
+    def _open_inbound(self, transfer_id: int, header: StreamHeader) -> None:
+        peer_parity = 0 if self.role is Role.CLIENT else 1
+        if transfer_id % 2 != peer_parity:
+            self.control.abort(ErrorCode.MALFORMED_BODY, f"transfer id {transfer_id} has the wrong parity")
+            return
+        early = self._guard(transfer_id, partial(self._inbound.open, transfer_id, header))
+        if early is None:
+            return
+        self._inbound_opened[transfer_id] = self._loop.time()
+        for chunk in early:
+            self._decode(transfer_id, chunk.chunk, chunk.payload, in_place=False)
+
+    def _on_chunk(self, event: ChunkReceived) -> None:
+        dest = self._guard(
+            event.transfer_id,
+            partial(self._inbound.destination, event.transfer_id, event.chunk, event.payload, event.in_place),
+        )
+        if isinstance(dest, memoryview):
+            self._decode(event.transfer_id, event.chunk, event.payload, in_place=event.in_place, dest=dest)
+
+    def _decode(
+        self,
+        transfer_id: int,
+        chunk: ChunkHeader,
+        payload: memoryview,
+        *,
+        in_place: bool,
+        dest: memoryview | None = None,
+    ) -> None:
+        if dest is None:
+            dest = self._guard(
+                transfer_id, partial(self._inbound.destination, transfer_id, chunk, payload, False)
+            )
+            if not isinstance(dest, memoryview):
+                return
+        if chunk.codec is Codec.NONE:
+            # Verifying a checksum runs at memory speed: cheaper inline than a thread hop.
+            check = partial(codecs.decompress_into, chunk, payload, dest, in_place=in_place)
+            if self._guard(transfer_id, check) is False:
+                return
+            self._verified(transfer_id, chunk)
+            return
+        self._pending_decodes += 1
+        if self._pending_decodes >= self.options.max_pending_decodes and not self._reading_paused:
+            self._set_reading(paused=True)
+        future = self._loop.run_in_executor(self._executor, codecs.decompress_into, chunk, payload, dest)
+        future.add_done_callback(partial(self._decoded, transfer_id, chunk))
+
+    def _decoded(self, transfer_id: int, chunk: ChunkHeader, future: asyncio.Future[None]) -> None:
+        self._pending_decodes -= 1
+        if self._reading_paused and self._pending_decodes <= self.options.max_pending_decodes // 2:
+            self._set_reading(paused=False)
+        if future.cancelled() or self.closed.is_set():
+            return
+        exc = future.exception()
+        if isinstance(exc, RemoteProtocolError):
+            self._reset_inbound(transfer_id, exc)
+        elif exc is not None:
+            self._reset_inbound(transfer_id, RemoteProtocolError(ErrorCode.INTERNAL, repr(exc)))
+        else:
+            self._verified(transfer_id, chunk)
+
+    def _verified(self, transfer_id: int, chunk: ChunkHeader) -> None:
+        self._guard(transfer_id, partial(self._inbound.chunk_verified, transfer_id, chunk))
+
+    def _guard(self, transfer_id: int, action: partial[object]) -> object:
+        """Run one step of an inbound transfer; a protocol error voids that transfer only.
+
+        Returns the action's result (delivering a completed fragment), or False after an error.
+        """
+        try:
+            result = action()
+        except RemoteProtocolError as exc:
+            self._reset_inbound(transfer_id, exc)
+            return False
+        if isinstance(result, FragmentAssembled):
+            self._deliver(result)
+        return result
+
+    def _reset_inbound(self, transfer_id: int, exc: RemoteProtocolError) -> None:
+        self._inbound.reset(transfer_id)
+        self._inbound_opened.pop(transfer_id, None)
+        if self.control.is_open:
+            self.control.send(StreamReset(int(exc.code), exc.message), transfer_id)
+
+    def _deliver(self, done: FragmentAssembled) -> None:
+        self._inbound_opened.pop(done.transfer_id, None)
+        if self.control.is_open:
+            self.control.send(FragmentAck(), done.transfer_id)
+        self.bytes_payload_received += done.header.raw_bytes
+        self._queue(FragmentReceived(done.transfer_id, done.header, done.buffer))
+
+    def _queue(self, item: Incoming) -> None:
+        self._incoming.append(item)
+        self._wakeup.set()
+        if len(self._incoming) >= self.options.max_queued_messages and not self._control_paused:
+            self._control_paused = True
+            if self.control.transport is not None:
+                self.control.transport.pause_reading()
+
+    def _set_reading(self, *, paused: bool) -> None:
+        self._reading_paused = paused
+        for proto in self.data:
+            if proto.transport is not None and proto.is_open:
+                (proto.transport.pause_reading if paused else proto.transport.resume_reading)()
+
+    # ------------------------------------------------------------ liveness
+
+    def _keepalive(self) -> None:
+        if self.closed.is_set():
+            return
+        now = self._loop.time()
+        for proto in [self.control, *self.data]:
+            if not proto.is_open:
+                continue
+            quiet_s = now - proto.last_receive
+            if quiet_s > self.options.idle_timeout_s:
+                proto.abort(ErrorCode.TIMEOUT, f"peer silent for {quiet_s:.0f} s")
+            elif quiet_s > self.options.ping_interval_s:
+                proto.send(Ping(next(self._ping_seq)))
+        for transfer_id, opened in list(self._inbound_opened.items()):
+            if now - opened > self.options.transfer_timeout_s:
+                self._reset_inbound(
+                    transfer_id, RemoteProtocolError(ErrorCode.TIMEOUT, "transfer not completed in time")
+                )
+        self._timer = self._loop.call_later(self.options.ping_interval_s, self._keepalive)
+
+    def _on_data_lost(self, proto: FrameProtocol, exc: BaseException | None) -> None:
+        if proto in self.data:
+            self.data.remove(proto)
+        for send in self._outbound.values():
+            lost = send.out.connection_lost(proto.index)
+            if lost:
+                send.resend.extend(lost)
+                send.wake.set()
+
+    def _on_control_lost(self, proto: FrameProtocol, exc: BaseException | None) -> None:
+        self._finish(f"control connection lost: {exc}" if exc else "control connection closed")
+
+    def _finish(self, reason: str) -> None:
+        if self.closed.is_set():
+            return
+        self.close_reason = reason
+        self.closed.set()
+        self._wakeup.set()
+        self._timer.cancel()
+        for send in self._outbound.values():
+            send.error = SessionClosed(reason)
+            send.wake.set()
+        for proto in [*self.data, self.control]:
+            if proto.transport is not None and not proto.transport.is_closing():
+                proto.go_away(reason) if proto.is_open else proto.transport.close()
+        if self._owns_executor:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _check_open(self) -> None:
+        if self.closed.is_set():
+            raise SessionClosed(self.close_reason or "session closed")

@@ -17,6 +17,8 @@ class TransportOptions:
     #: Fixed socket buffers in bytes, or None to leave Linux autotuning (up to tcp_rmem max) on.
     socket_buffer_bytes: int | None = None
     congestion: str | None = "bbr"
+    #: User-space bytes queued per connection before writers wait (pause_writing).
+    write_buffer_high_bytes: int = 4 * MiB
     handshake_timeout_s: float = 10.0
     #: A peer that sends part of a frame and then nothing for this long is cut off.
     stall_timeout_s: float = 30.0

@@ -1,0 +1,5 @@
+"""`python -m dilocod` is the `dilocod` command."""
+
+from dilocod.cli import main
+
+main()

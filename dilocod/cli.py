@@ -1,0 +1,183 @@
+"""The `dilocod` command line: thin click commands that parse options, build configuration and
+hand over to the services. Imports of torch and of the daemons happen inside the commands that
+need them, so `dilocod --help` and `dilocod status` answer fast.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+
+from dilocod import __version__
+from dilocod.config import (
+    EX_CONFIG,
+    Address,
+    ConfigError,
+    parse_address,
+    parse_int_list,
+    parse_list,
+    parse_size,
+)
+
+CODEC_CHOICES = ("none", "lz4", "zstd")
+DEFAULT_PORT = 7070
+
+
+def _config_error(message: str) -> NoReturn:
+    click.echo(f"dilocod: configuration error: {message}", err=True)
+    sys.exit(EX_CONFIG)
+
+
+def _parsed(parse: Callable[[], Any]) -> Any:
+    try:
+        return parse()
+    except ConfigError as exc:
+        _config_error(str(exc))
+
+
+def _load_secret(secret_file: Path | None, insecure: bool, listen: Address | None = None) -> bytes | None:
+    """The shared secret, or None when running without authentication is allowed."""
+    from dilocod.transport.credentials import CredentialError, load_secret  # noqa: PLC0415
+
+    if secret_file is not None and insecure:
+        _config_error("--secret-file and --insecure exclude each other")
+    if secret_file is not None:
+        try:
+            return load_secret(secret_file)
+        except CredentialError as exc:
+            _config_error(str(exc))
+    if listen is not None and not listen.is_loopback and not insecure:
+        _config_error(
+            f"listening on {listen} beyond loopback without a shared secret: pass --secret-file FILE "
+            "(make one with: openssl rand -hex 32 > FILE) or --insecure on a trusted network"
+        )
+    return None
+
+
+secret_option = click.option(
+    "--secret-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    help="File holding the shared secret (at least 16 bytes) for HMAC authentication.",
+)
+insecure_option = click.option(
+    "--insecure", is_flag=True, help="Run without authentication (loopback and trusted networks only)."
+)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="dilocod")
+def main() -> None:
+    """dilocod: Decoupled DiLoCo across data centres that never wait for each other.
+
+    A CPU-only syncer holds the global model in fragments; learners train without blocking on the
+    network and exchange one fragment at a time over a chunked, compressed, striped TCP protocol.
+    """
+
+
+@main.group()
+def bench() -> None:
+    """Measure what a link carries: raw TCP against dilocod fragment streams."""
+
+
+@bench.command("loopback")
+@click.option("--size", default="256MiB", show_default=True, help="Fragment size per transfer.")
+@click.option("--streams", default="1,4", show_default=True, help="Data connection counts to try.")
+@click.option("--codec", default="none,lz4,zstd", show_default=True, help="Codecs to try.")
+@click.option(
+    "--repeats",
+    default=3,
+    show_default=True,
+    type=click.IntRange(1, 20),
+    help="Timed transfers per combination (the median is reported).",
+)
+@click.option("--chunk", default="1MiB", show_default=True, help="Chunk size.")
+@click.option(
+    "--shuffle/--no-shuffle", default=True, show_default=True, help="Byte-plane shuffle before compressing."
+)
+@click.option("--json", "json_out", default=None, metavar="FILE|-", help="Write results as JSON.")
+@click.option("--uvloop/--no-uvloop", default=True, show_default=True, help="Use uvloop if installed.")
+def bench_loopback(
+    size: str,
+    streams: str,
+    codec: str,
+    repeats: int,
+    chunk: str,
+    shuffle: bool,
+    json_out: str | None,
+    uvloop: bool,
+) -> None:
+    """Two real processes on 127.0.0.1: the raw TCP ceiling, then dilocod fragment transfers for
+    each codec and stream count, side by side in one run."""
+    from dilocod.linkbench.loopback import LoopbackPlan, format_table, run_loopback  # noqa: PLC0415
+
+    plan = LoopbackPlan(
+        size_bytes=_parsed(lambda: parse_size(size, key="--size")),
+        streams=tuple(_parsed(lambda: parse_int_list(streams, key="--streams", low=1, high=64))),
+        codecs=tuple(_parsed(lambda: parse_list(codec, key="--codec", choices=CODEC_CHOICES))),
+        repeats=repeats,
+        chunk_bytes=_parsed(lambda: parse_size(chunk, key="--chunk")),
+        shuffle=shuffle,
+        use_uvloop=uvloop,
+    )
+    result = run_loopback(plan, progress=lambda line: click.echo(line, err=True))
+    click.echo(format_table(result), err=json_out == "-")
+    if json_out == "-":
+        click.echo(json.dumps(result, indent=2))
+    elif json_out:
+        Path(json_out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+@bench.command("serve")
+@click.option(
+    "--listen", default=f"0.0.0.0:{DEFAULT_PORT}", show_default=True, help="HOST:PORT to accept on."
+)
+@secret_option
+@insecure_option
+@click.option("--ready-json", is_flag=True, help="Print one JSON line with the bound ports when ready.")
+@click.option("--uvloop/--no-uvloop", default=True, show_default=True, help="Use uvloop if installed.")
+def bench_serve(
+    listen: str, secret_file: Path | None, insecure: bool, ready_json: bool, uvloop: bool
+) -> None:
+    """The receiving end of `dilocod bench`: accepts fragments and raw TCP until interrupted."""
+    from dilocod.linkbench.serve import serve  # noqa: PLC0415
+    from dilocod.transport.loop import run  # noqa: PLC0415
+
+    address = _parsed(lambda: parse_address(listen, key="--listen", default_port=DEFAULT_PORT))
+    secret = _load_secret(secret_file, insecure, address)
+
+    def ready(info: dict[str, Any]) -> None:
+        if ready_json:
+            click.echo(json.dumps(info))
+        else:
+            click.echo(
+                f"bench server on {info['host']}:{info['port']} (raw TCP on {info['raw_port']})", err=True
+            )
+        sys.stdout.flush()
+
+    run(serve(address, secret=secret, ready=ready), use_uvloop=uvloop)
+
+
+@main.command()
+@click.option("--syncer", "target", required=True, help="HOST:PORT of the daemon to ask.")
+@secret_option
+@insecure_option
+@click.option("--json", "as_json", is_flag=True, help="Print the raw status as JSON.")
+@click.option("--timeout", "timeout_s", default=10.0, show_default=True, help="Seconds to wait.")
+def status(target: str, secret_file: Path | None, insecure: bool, as_json: bool, timeout_s: float) -> None:
+    """Ask a running daemon for its status."""
+    from dilocod.ops.status import fetch_status, format_status  # noqa: PLC0415
+    from dilocod.transport.loop import run  # noqa: PLC0415
+
+    address = _parsed(lambda: parse_address(target, key="--syncer", default_port=DEFAULT_PORT))
+    secret = _load_secret(secret_file, insecure)
+    try:
+        result = run(fetch_status(address, secret=secret, timeout_s=timeout_s))
+    except (OSError, ConnectionError, TimeoutError) as exc:
+        click.echo(f"dilocod status: cannot reach {address}: {exc}", err=True)
+        sys.exit(1)
+    click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else format_status(result))

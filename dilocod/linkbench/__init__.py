@@ -1,0 +1,2 @@
+"""Link benchmarks behind `dilocod bench`: the raw TCP ceiling and dilocod fragment transfers
+between two real processes. Imports torch only to make realistic gradient bytes."""

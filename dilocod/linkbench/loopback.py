@@ -1,0 +1,205 @@
+"""`dilocod bench loopback`: the raw TCP ceiling and dilocod fragment transfers between two real
+processes on 127.0.0.1, measured side by side in one run.
+
+For each stream count: the raw ceiling with that many plain sockets, then one dilocod session with
+that many data connections pushing a fragment of gradient-like float32 with each codec. A push is
+timed from its header to the receiver's acknowledgement, so it includes verification of every
+chunk. The receiver's CPU share comes from its own process times, read over the timed interval.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dilocod.linkbench.raw import RawClient
+from dilocod.transport.endpoints import connect
+from dilocod.transport.loop import loop_name, run
+from dilocod.transport.options import TransportOptions
+from dilocod.transport.session import Session
+from dilocod.wire.manifest import pack_manifest
+from dilocod.wire.messages import PushHeader, StatusRequest, StatusResponse
+
+READY_TIMEOUT_S = 60.0
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class LoopbackPlan:
+    size_bytes: int
+    streams: tuple[int, ...]
+    codecs: tuple[str, ...]
+    repeats: int = 3
+    chunk_bytes: int = 1 << 20
+    shuffle: bool = True
+    use_uvloop: bool = True
+
+
+def gradient_bytes(size_bytes: int, seed: int = 0) -> bytearray:
+    """float32 values shaped like an outer gradient (small, roughly normal); torch makes them."""
+    import torch  # noqa: PLC0415 - only this benchmark needs tensors
+
+    generator = torch.Generator().manual_seed(seed)
+    out = bytearray(size_bytes // 4 * 4)
+    torch.frombuffer(out, dtype=torch.float32).copy_(torch.randn(size_bytes // 4, generator=generator) * 1e-3)
+    return out
+
+
+def start_server(use_uvloop: bool) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    command = [
+        sys.executable,
+        "-m",
+        "dilocod",
+        "bench",
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--insecure",
+        "--ready-json",
+    ]
+    if not use_uvloop:
+        command.append("--no-uvloop")
+    child = subprocess.Popen(command, stdout=subprocess.PIPE)
+    assert child.stdout is not None
+    with selectors.DefaultSelector() as selector:
+        selector.register(child.stdout, selectors.EVENT_READ)
+        if not selector.select(READY_TIMEOUT_S):
+            child.kill()
+            raise RuntimeError(f"bench server did not become ready within {READY_TIMEOUT_S} s")
+    line = child.stdout.readline()
+    if not line:
+        raise RuntimeError(f"bench server exited with status {child.wait()} before becoming ready")
+    return child, json.loads(line)
+
+
+async def _status(session: Session) -> dict[str, Any]:
+    await session.send(StatusRequest())
+    while True:
+        item = await session.recv()
+        if isinstance(item, StatusResponse):
+            return item.status
+
+
+def _wire_bytes(session: Session) -> int:
+    return sum(p.conn.bytes_sent for p in [session.control, *session.data])
+
+
+async def _fragment_runs(
+    plan: LoopbackPlan, port: int, streams: int, data: bytearray, progress: Progress
+) -> list[dict[str, Any]]:
+    options = TransportOptions(chunk_bytes=plan.chunk_bytes)
+    session = await connect(
+        "127.0.0.1", port, peer_id=f"bench-{streams}", role="bench", streams=streams, options=options
+    )
+    manifest, raw_bytes = pack_manifest([("gradient", "float32", [len(data) // 4])])
+    runs = []
+    try:
+        for codec in plan.codecs:
+            header = PushHeader(tuple(manifest), raw_bytes, codec, plan.chunk_bytes)
+            shuffle = 4 if plan.shuffle and codec != "none" else 0
+            await session.send_fragment(header, data, shuffle_item_size=shuffle)  # warm-up
+            rates, cores, ratios = [], [], []
+            for _ in range(plan.repeats):
+                before, wire_before = await _status(session), _wire_bytes(session)
+                start = time.perf_counter()
+                await session.send_fragment(header, data, shuffle_item_size=shuffle)
+                seconds = time.perf_counter() - start
+                after, wire = await _status(session), _wire_bytes(session) - wire_before
+                rates.append(raw_bytes * 8 / seconds / 1e9)
+                cores.append((after["cpu_s"] - before["cpu_s"]) / (after["wall_s"] - before["wall_s"]))
+                ratios.append(raw_bytes / wire)
+            gbps = statistics.median(rates)
+            core_share = statistics.median(cores)
+            runs.append(
+                {
+                    "codec": codec,
+                    "streams": streams,
+                    "gbps": round(gbps, 3),
+                    "compression_ratio": round(statistics.median(ratios), 4),
+                    "receiver_cores": round(core_share, 3),
+                    "receiver_cores_per_5gbps": round(core_share * 5 / gbps, 3),
+                }
+            )
+            progress(f"  dilocod {codec:>4} x{streams}: {gbps:6.2f} Gbps, receiver {core_share:.2f} cores")
+    finally:
+        await session.close("bench done")
+    return runs
+
+
+def run_loopback(plan: LoopbackPlan, progress: Progress) -> dict[str, Any]:
+    progress(f"making {plan.size_bytes / 2**20:.0f} MiB of gradient-like float32 ...")
+    data = gradient_bytes(plan.size_bytes)
+    child, ready = start_server(plan.use_uvloop)
+    try:
+        raw_rows, runs = [], []
+        for streams in plan.streams:
+            client = RawClient("127.0.0.1", ready["raw_port"], streams)
+            try:
+                client.send(min(plan.size_bytes, 64 << 20))  # warm-up
+                raw = statistics.median(
+                    plan.size_bytes * 8 / client.send(plan.size_bytes) / 1e9 for _ in range(plan.repeats)
+                )
+            finally:
+                client.close()
+            raw_rows.append({"streams": streams, "gbps": round(raw, 3)})
+            progress(f"raw TCP x{streams}: {raw:6.2f} Gbps")
+            rows = run(
+                _fragment_runs(plan, ready["port"], streams, data, progress), use_uvloop=plan.use_uvloop
+            )
+            for row in rows:
+                row["ratio_to_raw"] = round(row["gbps"] / raw, 3)
+            runs.extend(rows)
+    finally:
+        child.terminate()
+        try:
+            child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+    return {
+        "raw_gbps": max(r["gbps"] for r in raw_rows),
+        "raw": raw_rows,
+        "runs": runs,
+        "size_bytes": plan.size_bytes,
+        "chunk_bytes": plan.chunk_bytes,
+        "repeats": plan.repeats,
+        "loop": "uvloop" if plan.use_uvloop and _has_uvloop() else "asyncio",
+        "cpus": os.cpu_count(),
+    }
+
+
+def _has_uvloop() -> bool:
+    try:
+        import uvloop  # noqa: F401, PLC0415
+    except ImportError:
+        return False
+    return True
+
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = [
+        f"loopback, {result['size_bytes'] / 2**20:.0f} MiB float32 fragment, chunks of "
+        f"{result['chunk_bytes'] / 2**20:g} MiB, median of {result['repeats']}, {result['loop']}",
+        "",
+        f"{'codec':>6} {'streams':>7} {'Gbps':>7} {'raw Gbps':>8} {'x raw':>6} {'ratio':>6} "
+        f"{'rx cores':>8} {'rx@5G':>6}",
+    ]
+    raw_by_streams = {r["streams"]: r["gbps"] for r in result["raw"]}
+    for run_row in result["runs"]:
+        lines.append(
+            f"{run_row['codec']:>6} {run_row['streams']:>7} {run_row['gbps']:>7.2f} "
+            f"{raw_by_streams[run_row['streams']]:>8.2f} {run_row['ratio_to_raw']:>6.2f} "
+            f"{run_row['compression_ratio']:>6.3f} {run_row['receiver_cores']:>8.2f} "
+            f"{run_row['receiver_cores_per_5gbps']:>6.2f}"
+        )
+    return "\n".join(lines)
+
+
+__all__ = ["LoopbackPlan", "format_table", "loop_name", "run_loopback"]

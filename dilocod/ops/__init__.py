@@ -1,0 +1,1 @@
+"""Operations glue: status queries, and later logging, metrics, systemd notify and signals."""

@@ -1,6 +1,10 @@
 """The raw TCP ceiling: plain blocking sockets, sendall / recv_into with 4 MiB buffers, one
 thread per stream. What any sender on this path can reach; dilocod's numbers are read against it.
 
+The receiver lands the bytes in a destination as large as its share of the transfer (reused
+between transfers), 4 MiB per recv_into, as any real receiver of a fragment must. Receiving into
+one cache-resident 4 MiB buffer over and over would measure the cache, not the path.
+
 Wire format of the raw test (not the dilocod protocol): the sender writes an 8-byte big-endian
 length then that many bytes; the receiver answers one byte when it has them all.
 """
@@ -42,48 +46,49 @@ def serve_raw(listener: socket.socket, stop: threading.Event) -> None:
 
 
 def _serve_one(conn: socket.socket) -> None:
-    buffer = memoryview(bytearray(BLOCK_BYTES))
+    destination = memoryview(bytearray(0))
     head = memoryview(bytearray(_LENGTH.size))
     with conn:
         tune(conn)
         try:
             while True:
                 _recv_exact(conn, head)
-                remaining = _LENGTH.unpack(head)[0]
-                while remaining:
-                    n = conn.recv_into(buffer[: min(remaining, BLOCK_BYTES)])
+                total = _LENGTH.unpack(head)[0]
+                if len(destination) != total:
+                    destination = memoryview(bytearray(total))
+                got = 0
+                while got < total:
+                    n = conn.recv_into(destination[got : got + BLOCK_BYTES])
                     if n == 0:
                         return
-                    remaining -= n
+                    got += n
                 conn.sendall(b"\x01")
         except (ConnectionError, OSError):
             return
 
 
 class RawClient:
-    """N connected raw-test streams; send(total) splits total bytes evenly across them."""
+    """N connected raw-test streams; send(data) splits the buffer evenly across them."""
 
     def __init__(self, host: str, port: int, streams: int) -> None:
         self.socks = [socket.create_connection((host, port)) for _ in range(streams)]
         for sock in self.socks:
             tune(sock)
-        self._block = memoryview(bytearray(BLOCK_BYTES))
         self._pool = ThreadPoolExecutor(max_workers=streams)
 
-    def _send_one(self, sock: socket.socket, nbytes: int) -> None:
-        sock.sendall(_LENGTH.pack(nbytes))
-        remaining = nbytes
-        while remaining:
-            n = min(remaining, BLOCK_BYTES)
-            sock.sendall(self._block[:n])
-            remaining -= n
+    def _send_one(self, sock: socket.socket, share: memoryview) -> None:
+        sock.sendall(_LENGTH.pack(len(share)))
+        for start in range(0, len(share), BLOCK_BYTES):
+            sock.sendall(share[start : start + BLOCK_BYTES])
         _recv_exact(sock, memoryview(bytearray(1)))
 
-    def send(self, total_bytes: int) -> float:
-        """Seconds to move total_bytes, from first write to the last acknowledgement."""
-        share = -(-total_bytes // len(self.socks))
+    def send(self, data: memoryview) -> float:
+        """Seconds to move data (the same buffer the fragment test sends), from the first write
+        to the last acknowledgement."""
+        step = -(-len(data) // len(self.socks))
+        shares = [data[i : i + step] for i in range(0, len(data), step)]
         start = time.perf_counter()
-        list(self._pool.map(self._send_one, self.socks, [share] * len(self.socks)))
+        list(self._pool.map(self._send_one, self.socks[: len(shares)], shares))
         return time.perf_counter() - start
 
     def close(self) -> None:

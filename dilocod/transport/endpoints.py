@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 
-from dilocod.transport.errors import HandshakeFailed
+from dilocod.transport.errors import HandshakeFailed, SessionClosed
 from dilocod.transport.options import TransportOptions
 from dilocod.transport.protocol import FrameProtocol
 from dilocod.transport.session import Session
@@ -225,6 +225,8 @@ class Server:
             await self.handler(session)
         except asyncio.CancelledError:
             raise
+        except SessionClosed:
+            pass  # the peer left or the server is closing: the normal end of a handler
         except Exception as exc:  # a handler's bug closes its session, never the server
             self.handler_errors.append(exc)
         finally:

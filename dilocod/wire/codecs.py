@@ -54,7 +54,7 @@ def unshuffle_into(planes: Buffer, item_size: int, out: memoryview) -> None:
     staging = bytearray(len(planes))
     for i in range(item_size):
         staging[i::item_size] = src[i * n : (i + 1) * n]
-    out[:] = staging
+    (out.cast("B") if out.format != "B" else out)[:] = staging
 
 
 def compress(codec: Codec, raw: Buffer, shuffle_item_size: int = 0) -> tuple[Codec, int, Buffer]:
@@ -65,6 +65,8 @@ def compress(codec: Codec, raw: Buffer, shuffle_item_size: int = 0) -> tuple[Cod
     """
     if codec is Codec.NONE:
         return Codec.NONE, 0, raw
+    if shuffle_item_size > 1 and len(raw) % shuffle_item_size:
+        shuffle_item_size = 0  # receivers refuse a shuffle that does not divide the chunk
     source: Buffer = shuffle(raw, shuffle_item_size) if shuffle_item_size > 1 else raw
     if codec is Codec.LZ4:
         payload: bytes = lz4.block.compress(source, mode="default", store_size=False)

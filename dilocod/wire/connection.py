@@ -27,6 +27,7 @@ from dilocod.wire.frames import (
     CHUNK_HEADER_BYTES,
     HANDSHAKE_FRAMES,
     HEADER_BYTES,
+    TRANSFER_FRAMES,
     ChunkHeader,
     FrameHeader,
     FrameType,
@@ -63,9 +64,17 @@ PROTOCOL_MIN_VERSION = 1
 PROTOCOL_MAX_VERSION = 1
 
 Buffer = bytes | bytearray | memoryview
+#: ERROR messages and GOODBYE reasons are capped at this many UTF-8 bytes (messages.py checks it).
+MAX_REASON_BYTES = 1024
 #: (transfer id, chunk header, payload length) -> where the payload should land, or None for a
 #: fresh buffer. Raises RemoteProtocolError for chunks the receiver does not expect.
 ChunkSink = Callable[[int, ChunkHeader, int], memoryview | None]
+
+
+def _clip(text: str) -> str:
+    """Cut text to MAX_REASON_BYTES of UTF-8 (not characters: the peer counts bytes), never
+    splitting a character. Error messages may quote peer-supplied strings."""
+    return text.encode()[:MAX_REASON_BYTES].decode(errors="ignore")
 
 
 class _Phase(Enum):
@@ -139,6 +148,11 @@ class Connection:
 
     def send(self, message: Message, stream_id: int = 0) -> None:
         """Queue one control message (or a FRAGMENT_END / STREAM_RESET / ACK of a transfer)."""
+        if (stream_id != 0) != (message.TYPE in TRANSFER_FRAMES):
+            # The peer would refuse the frame (frames.decode_header): our bug, not theirs.
+            raise LocalProtocolError(
+                ErrorCode.MALFORMED_BODY, f"{message.TYPE.name} with stream id {stream_id}"
+            )
         self._check_send(message.TYPE)
         body = encode_body(message)
         self._queue(encode_header(message.TYPE, stream_id, len(body)), body)
@@ -154,14 +168,14 @@ class Connection:
     def go_away(self, reason: str) -> None:
         """Say GOODBYE and stop; nothing more is sent or accepted."""
         if self.state is not State.CLOSED:
-            body = encode_body(Goodbye(reason))
+            body = encode_body(Goodbye(_clip(reason)))
             self._queue(encode_header(FrameType.GOODBYE, 0, len(body)), body)
             self.state = State.CLOSED
 
     def fail(self, code: ErrorCode, message: str) -> None:
         """Send ERROR and stop (used for our own deadlines and for the peer's protocol errors)."""
         if self.state is not State.CLOSED:
-            body = encode_body(Error(int(code), message[:1024]))
+            body = encode_body(Error(int(code), _clip(message)))
             self._queue(encode_header(FrameType.ERROR, 0, len(body)), body)
             self.state = State.CLOSED
 
@@ -199,6 +213,17 @@ class Connection:
     def mid_frame(self) -> bool:
         """True while part of a frame has arrived; a stall here is what the deadline is for."""
         return self._phase is not _Phase.HEADER or self._filled > 0
+
+    @property
+    def lent_chunk(self) -> tuple[int, ChunkHeader] | None:
+        """(transfer id, chunk) while a chunk's payload is arriving in a slice the chunk sink lent.
+
+        A connection that closes with a lent chunk must hand it back (InboundStreams.chunk_abandoned),
+        or the copy resent on another connection is dropped as a duplicate.
+        """
+        if self._phase is _Phase.PAYLOAD and self._in_place and self._frame and self._chunk:
+            return self._frame.stream_id, self._chunk
+        return None
 
     def get_buffer(self) -> memoryview:
         """Where the next received bytes should go (never empty while the connection is open)."""

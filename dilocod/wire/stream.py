@@ -25,6 +25,9 @@ StreamHeader = PushHeader | UpdateHeader
 Allocate = Callable[[StreamHeader], memoryview]
 
 _PENDING, _ARRIVING, _DONE = 0, 1, 2
+#: What an early chunk costs against the early budget beyond its payload (its bookkeeping), so
+#: that a flood of empty payloads is bounded too.
+EARLY_CHUNK_OVERHEAD_BYTES = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +63,10 @@ class InboundStreams:
         self._allocate = allocate
         self._transfers: dict[int, _Inbound] = {}
         self._early: dict[int, list[EarlyChunk]] = {}
+        # Budget charged per transfer when an early chunk's header comes in (chunk_target), and
+        # released in one go when that transfer is opened or reset: a chunk still arriving when its
+        # header does, or whose connection dies mid-payload, is released with the rest.
+        self._early_charged: dict[int, int] = {}
         self._early_bytes = 0
         self._max_early_bytes = max_early_bytes
         self._finished: set[int] = set()  # completed or reset ids: late duplicates are dropped
@@ -80,9 +87,8 @@ class InboundStreams:
             raise LocalProtocolError(ErrorCode.INTERNAL, "allocator returned a buffer of the wrong size")
         n = header.chunks
         self._transfers[transfer_id] = _Inbound(header, buffer, bytearray(n), [0] * n)
-        early = self._early.pop(transfer_id, [])
-        self._early_bytes -= sum(len(e.payload) for e in early)
-        return early
+        self._release_early(transfer_id)
+        return self._early.pop(transfer_id, [])
 
     def chunk_target(self, transfer_id: int, chunk: ChunkHeader, payload_length: int) -> memoryview | None:
         """ChunkSink for every connection of the session: uncompressed chunks of a known transfer
@@ -90,11 +96,13 @@ class InboundStreams:
         inbound = self._transfers.get(transfer_id)
         if inbound is None:
             if transfer_id not in self._finished:
-                self._early_bytes += payload_length
-                if self._early_bytes > self._max_early_bytes:
+                cost = payload_length + EARLY_CHUNK_OVERHEAD_BYTES
+                if self._early_bytes + cost > self._max_early_bytes:
                     raise RemoteProtocolError(
                         ErrorCode.UNKNOWN_TRANSFER, f"chunks for undeclared transfer {transfer_id}"
                     )
+                self._early_bytes += cost
+                self._early_charged[transfer_id] = self._early_charged.get(transfer_id, 0) + cost
             return None
         start = self._check_chunk(inbound, chunk)
         if chunk.codec is not Codec.NONE or inbound.state[chunk.seq] != _PENDING:
@@ -147,6 +155,14 @@ class InboundStreams:
         inbound.done += 1
         return self._maybe_complete(transfer_id, inbound)
 
+    def chunk_abandoned(self, transfer_id: int, chunk: ChunkHeader) -> None:
+        """The connection lent this chunk's slice (Connection.lent_chunk) closed before the payload
+        was complete. The slice is free again, so a copy resent on another connection is taken
+        instead of being dropped as a duplicate of the half-written one."""
+        inbound = self._transfers.get(transfer_id)
+        if inbound is not None and chunk.seq < len(inbound.state) and inbound.state[chunk.seq] == _ARRIVING:
+            inbound.state[chunk.seq] = _PENDING
+
     def chunk_failed(self, transfer_id: int, chunk: ChunkHeader) -> None:
         """A chunk failed verification: the whole transfer is void (the caller resets it)."""
         self.reset(transfer_id)
@@ -179,9 +195,12 @@ class InboundStreams:
     def reset(self, transfer_id: int) -> None:
         """Forget a transfer (failed, or reset by the sender); later chunks of it are dropped."""
         self._transfers.pop(transfer_id, None)
-        early = self._early.pop(transfer_id, [])
-        self._early_bytes -= sum(len(e.payload) for e in early)
+        self._early.pop(transfer_id, None)
+        self._release_early(transfer_id)
         self._finished.add(transfer_id)
+
+    def _release_early(self, transfer_id: int) -> None:
+        self._early_bytes -= self._early_charged.pop(transfer_id, 0)
 
     def missing(self, transfer_id: int) -> int:
         inbound = self._transfers.get(transfer_id)

@@ -1,0 +1,486 @@
+"""Control message bodies (msgpack) and the tensor manifest inside fragment stream headers.
+
+Round trips of every message type over the whole documented range of each field (hypothesis),
+the bounds each decoder enforces, and arbitrary bodies that must decode or raise
+RemoteProtocolError and nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dilocod.wire.errors import ErrorCode, RemoteProtocolError
+from dilocod.wire.frames import CODECS_BY_NAME, FrameType
+from dilocod.wire.limits import Limits
+from dilocod.wire.manifest import DTYPE_SIZES, PACK_ALIGNMENT, TensorEntry, pack_manifest, parse_manifest
+from dilocod.wire.messages import (
+    AUTH_METHODS,
+    MAC_BYTES,
+    MESSAGE_TYPES,
+    NONCE_BYTES,
+    SESSION_ID_BYTES,
+    AuthChallenge,
+    AuthResponse,
+    Error,
+    FragmentAck,
+    FragmentEnd,
+    FragmentRequest,
+    Goodbye,
+    Hello,
+    Message,
+    Ping,
+    Pong,
+    PushHeader,
+    StatusRequest,
+    StatusResponse,
+    StepReport,
+    StreamReset,
+    UpdateHeader,
+    Welcome,
+    decode_body,
+    encode_body,
+)
+
+LIMITS = Limits()
+U8, U16, U32, U64 = 2**8 - 1, 2**16 - 1, 2**32 - 1, 2**64 - 1
+
+
+def uint(maximum: int) -> st.SearchStrategy[int]:
+    return st.one_of(st.integers(0, maximum), st.sampled_from([0, maximum]))
+
+
+def text(max_bytes: int, min_size: int = 0) -> st.SearchStrategy[str]:
+    """Strings of at most max_bytes UTF-8 bytes, multi-byte characters included."""
+    return (
+        st.text(min_size=min_size, max_size=max_bytes)
+        .map(lambda s: s.encode()[:max_bytes].decode(errors="ignore"))
+        .filter(lambda s: len(s) >= min_size)
+    )
+
+
+def blob(*sizes: int) -> st.SearchStrategy[bytes]:
+    return st.one_of(*(st.binary(min_size=n, max_size=n) for n in sizes))
+
+
+capabilities = st.lists(text(32), max_size=32).map(tuple)
+nonce = blob(NONCE_BYTES)
+mac = blob(0, MAC_BYTES)
+finite = st.floats(min_value=0, allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def hellos(draw: st.DrawFn) -> Hello:
+    low, high = sorted(draw(st.lists(uint(U8), min_size=2, max_size=2)))
+    kind, session = draw(
+        st.one_of(
+            st.tuples(st.just("control"), st.just(b"")), st.tuples(st.just("data"), blob(SESSION_ID_BYTES))
+        )
+    )
+    return Hello(
+        low,
+        high,
+        kind,
+        draw(text(32)),
+        draw(text(LIMITS.max_peer_id_bytes)),
+        draw(nonce),
+        session,
+        draw(capabilities),
+    )
+
+
+@st.composite
+def manifests(draw: st.DrawFn) -> tuple[tuple[TensorEntry, ...], int]:
+    names = draw(st.lists(text(64, min_size=1), max_size=6, unique=True))
+    tensors = [
+        (
+            name,
+            draw(st.sampled_from(sorted(DTYPE_SIZES))),
+            draw(st.lists(st.integers(0, 12), max_size=LIMITS.max_tensor_rank)),
+        )
+        for name in names
+    ]
+    entries, total = pack_manifest(tensors)
+    # Every dimension is at most raw_bytes (protocol/SPEC.md), even in an empty tensor.
+    floor = max([total, *(d for _, _, shape in tensors for d in shape)])
+    return tuple(entries), floor + draw(st.integers(0, 10_000))
+
+
+@st.composite
+def push_headers(draw: st.DrawFn) -> PushHeader:
+    manifest, raw_bytes = draw(manifests())
+    return PushHeader(
+        manifest,
+        raw_bytes,
+        draw(st.sampled_from(sorted(CODECS_BY_NAME))),
+        draw(st.integers(LIMITS.min_chunk_bytes, LIMITS.max_chunk_bytes)),
+        fragment=draw(uint(U32)),
+        round=draw(uint(U64)),
+        base_version=draw(uint(U64)),
+        c_steps=draw(uint(U64)),
+        c_tokens=draw(uint(U64)),
+    )
+
+
+@st.composite
+def update_headers(draw: st.DrawFn) -> UpdateHeader:
+    manifest, raw_bytes = draw(manifests())
+    return UpdateHeader(
+        manifest,
+        raw_bytes,
+        draw(st.sampled_from(sorted(CODECS_BY_NAME))),
+        draw(st.integers(LIMITS.min_chunk_bytes, LIMITS.max_chunk_bytes)),
+        fragment=draw(uint(U32)),
+        version=draw(uint(U64)),
+    )
+
+
+json_like = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), U64)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=20)
+    | st.binary(max_size=20),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+#: One strategy per message type, covering each field's documented range.
+STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
+    Hello: hellos(),
+    AuthChallenge: st.builds(AuthChallenge, uint(U8), st.sampled_from(AUTH_METHODS), nonce),
+    AuthResponse: st.builds(AuthResponse, mac),
+    Welcome: st.builds(
+        Welcome, blob(SESSION_ID_BYTES), text(128), text(64), mac, capabilities, uint(U32), uint(U16)
+    ),
+    StepReport: st.builds(StepReport, uint(U64), uint(U64), finite),
+    FragmentRequest: st.builds(FragmentRequest, uint(U32), uint(U64), uint(U64)),
+    PushHeader: push_headers(),
+    UpdateHeader: update_headers(),
+    FragmentEnd: st.builds(FragmentEnd, uint(LIMITS.max_chunks_per_fragment()), uint(U64)),
+    FragmentAck: st.just(FragmentAck()),
+    StreamReset: st.builds(StreamReset, uint(U16), text(1024)),
+    Ping: st.builds(Ping, uint(U64)),
+    Pong: st.builds(Pong, uint(U64)),
+    StatusRequest: st.just(StatusRequest()),
+    StatusResponse: st.builds(StatusResponse, st.dictionaries(st.text(max_size=10), json_like, max_size=5)),
+    Error: st.builds(Error, uint(U16), text(1024)),
+    Goodbye: st.builds(Goodbye, text(1024)),
+}
+
+
+def test_every_message_type_has_a_strategy() -> None:
+    assert set(STRATEGIES) == set(MESSAGE_TYPES.values())
+    assert all(cls.TYPE is frame_type for frame_type, cls in MESSAGE_TYPES.items())
+
+
+@pytest.mark.parametrize("cls", list(STRATEGIES), ids=lambda c: c.__name__)
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_round_trip(cls: type, data: st.DataObject) -> None:
+    message = data.draw(STRATEGIES[cls])
+    back = decode_body(cls.TYPE, encode_body(message), LIMITS)
+    assert type(back) is cls
+    assert back == message
+
+
+def body(message: Message, **changes: object) -> bytes:
+    raw = message.to_body()
+    for key, value in changes.items():
+        if value is KeyError:
+            del raw[key]
+        else:
+            raw[key] = value
+    return msgpack.packb(raw, use_bin_type=True)
+
+
+HELLO = Hello(1, 1, "control", "learner", "a", bytes(NONCE_BYTES))
+ENTRIES, RAW = pack_manifest([("w", "float32", [8])])
+PUSH = PushHeader(tuple(ENTRIES), RAW, "zstd", LIMITS.min_chunk_bytes, 1)
+
+MALFORMED = [
+    pytest.param(FrameType.PING, msgpack.packb([1]), id="not-a-map"),
+    pytest.param(FrameType.PING, msgpack.packb(None), id="nil"),
+    pytest.param(FrameType.PING, b"", id="empty"),
+    pytest.param(FrameType.PING, body(Ping(1), seq=KeyError), id="missing-field"),
+    pytest.param(FrameType.PING, body(Ping(1), seq=True), id="bool-for-int"),
+    pytest.param(FrameType.PING, body(Ping(1), seq=1.0), id="float-for-int"),
+    pytest.param(FrameType.PING, body(Ping(1), seq=-1), id="negative"),
+    pytest.param(FrameType.PING, body(Ping(1), seq="1"), id="str-for-int"),
+    pytest.param(FrameType.PING, body(Ping(1)) + b"\x00", id="trailing-byte"),
+    pytest.param(FrameType.PING, body(Ping(1))[:-1], id="truncated"),
+    pytest.param(FrameType.PING, b"\x81\x01\x02", id="int-key"),
+    pytest.param(FrameType.PING, b"\xdd\xff\xff\xff\xff", id="array-of-4G"),
+    pytest.param(FrameType.PING, b"\x81\xa3seq\xd6\x05\x00\x00\x00\x00", id="ext-type"),
+    pytest.param(FrameType.PING, b"\x81\xa3seq\xd6\xff\x00\x00\x00\x00", id="timestamp"),
+    pytest.param(FrameType.GOODBYE, b"\x81\xa6reason\xa2\xc3\x28", id="invalid-utf8"),
+    pytest.param(FrameType.GOODBYE, body(Goodbye("é" * 512 + "x")), id="reason-1025-bytes"),
+    pytest.param(FrameType.STATUS_RESPONSE, b"\x81\xa6status" + b"\x91" * 3000 + b"\xc0", id="deep-nesting"),
+    pytest.param(FrameType.STATUS_RESPONSE, body(StatusResponse(), status=[1]), id="status-not-a-map"),
+    pytest.param(FrameType.ERROR, body(Error(1, "x"), code=U16 + 1), id="code-above-u16"),
+    pytest.param(FrameType.STEP_REPORT, body(StepReport(1, 1, 0.5), step_time_s=float("nan")), id="nan"),
+    pytest.param(FrameType.STEP_REPORT, body(StepReport(1, 1, 0.5), step_time_s=float("inf")), id="inf"),
+    pytest.param(FrameType.STEP_REPORT, body(StepReport(1, 1, 0.5), step_time_s=-0.5), id="negative-time"),
+    pytest.param(FrameType.STEP_REPORT, body(StepReport(1, 1, 0.5), step_time_s=True), id="bool-time"),
+    pytest.param(FrameType.HELLO, body(HELLO, min_version=2, max_version=1), id="min-above-max"),
+    pytest.param(FrameType.HELLO, body(HELLO, max_version=256), id="version-above-u8"),
+    pytest.param(FrameType.HELLO, body(HELLO, kind="both"), id="unknown-kind"),
+    pytest.param(FrameType.HELLO, body(HELLO, kind="data"), id="data-without-session"),
+    pytest.param(FrameType.HELLO, body(HELLO, session=bytes(16)), id="control-with-session"),
+    pytest.param(FrameType.HELLO, body(HELLO, kind="data", session=bytes(15)), id="short-session"),
+    pytest.param(FrameType.HELLO, body(HELLO, nonce=bytes(31)), id="short-nonce"),
+    pytest.param(FrameType.HELLO, body(HELLO, nonce="x" * 32), id="str-nonce"),
+    pytest.param(FrameType.HELLO, body(HELLO, role="r" * 33), id="long-role"),
+    pytest.param(FrameType.HELLO, body(HELLO, peer_id="p" * 129), id="long-peer-id"),
+    pytest.param(FrameType.HELLO, body(HELLO, capabilities=["c"] * 33), id="too-many-capabilities"),
+    pytest.param(FrameType.HELLO, body(HELLO, capabilities=["c" * 33]), id="long-capability"),
+    pytest.param(FrameType.HELLO, body(HELLO, capabilities=[1]), id="int-capability"),
+    pytest.param(
+        FrameType.AUTH_CHALLENGE, body(AuthChallenge(1, "none", bytes(32)), method="md5"), id="method"
+    ),
+    pytest.param(FrameType.AUTH_RESPONSE, body(AuthResponse(b""), mac=bytes(31)), id="short-mac"),
+    pytest.param(FrameType.WELCOME, body(Welcome(bytes(16), "s", "i", b""), session=b""), id="no-session"),
+    pytest.param(FrameType.PUSH_HEADER, body(PUSH, codec="brotli"), id="unknown-codec"),
+    pytest.param(
+        FrameType.PUSH_HEADER, body(PUSH, chunk_bytes=LIMITS.max_chunk_bytes + 1), id="chunk-above-max"
+    ),
+    pytest.param(
+        FrameType.PUSH_HEADER, body(PUSH, raw_bytes=LIMITS.max_fragment_bytes + 1), id="raw-above-max"
+    ),
+    pytest.param(FrameType.PUSH_HEADER, body(PUSH, fragment=U32 + 1), id="fragment-above-u32"),
+    pytest.param(
+        FrameType.FRAGMENT_END,
+        body(FragmentEnd(1, 0), chunks=LIMITS.max_chunks_per_fragment() + 1),
+        id="chunks",
+    ),
+]
+
+
+@pytest.mark.parametrize(("frame_type", "raw"), MALFORMED)
+def test_malformed_body_is_refused(frame_type: FrameType, raw: bytes) -> None:
+    with pytest.raises(RemoteProtocolError) as info:
+        decode_body(frame_type, raw, LIMITS)
+    assert info.value.code is ErrorCode.MALFORMED_BODY
+
+
+def test_text_bounds_count_bytes_not_characters() -> None:
+    assert decode_body(FrameType.GOODBYE, body(Goodbye("é" * 512)), LIMITS) == Goodbye("é" * 512)
+    hello = decode_body(FrameType.HELLO, body(HELLO, peer_id="p" * 128), LIMITS)
+    assert isinstance(hello, Hello) and hello.peer_id == "p" * 128
+
+
+def test_stream_header_limits() -> None:
+    with pytest.raises(RemoteProtocolError) as info:
+        decode_body(FrameType.PUSH_HEADER, body(PUSH, chunk_bytes=LIMITS.min_chunk_bytes - 1), LIMITS)
+    assert info.value.code is ErrorCode.LIMIT_EXCEEDED
+    with pytest.raises(RemoteProtocolError) as info:
+        decode_body(FrameType.PUSH_HEADER, body(PUSH, manifest=KeyError), LIMITS)
+    assert info.value.code is ErrorCode.BAD_MANIFEST
+    with pytest.raises(RemoteProtocolError) as info:
+        decode_body(FrameType.UPDATE_HEADER, body(UpdateHeader(tuple(ENTRIES), RAW - 1, "lz4", 4096)), LIMITS)
+    assert info.value.code is ErrorCode.BAD_MANIFEST  # the tensor ends past raw_bytes
+    small = Limits(max_fragment_bytes=1000)
+    with pytest.raises(RemoteProtocolError):
+        decode_body(FrameType.PUSH_HEADER, body(PUSH, raw_bytes=1001), small)
+
+
+def test_stream_header_chunk_count() -> None:
+    assert PushHeader((), 1, "none", 4096).chunks == 1
+    assert PushHeader((), 4096, "none", 4096).chunks == 1
+    assert PushHeader((), 4097, "none", 4096).chunks == 2
+    assert PushHeader((), 0, "none", 4096).chunks == 0
+
+
+json_values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), U64),
+    st.floats(),
+    st.text(max_size=40),
+    st.binary(max_size=40),
+    st.lists(st.integers(0, 300) | st.text(max_size=8), max_size=4),
+)
+
+
+def _field_names() -> list[str]:
+    samples: list[Message] = [
+        HELLO,
+        AuthChallenge(1, "none", bytes(32)),
+        AuthResponse(b""),
+        Welcome(bytes(16), "s", "i", b""),
+        StepReport(1, 1, 1.0),
+        FragmentRequest(1, 1, 1),
+        PUSH,
+        UpdateHeader((), 0, "none", 4096),
+        FragmentEnd(1, 1),
+        StreamReset(1, "x"),
+        Ping(1),
+        StatusResponse(),
+        Error(1, "x"),
+        Goodbye("x"),
+    ]
+    return sorted({key for m in samples for key in m.to_body()})
+
+
+FIELD_NAMES = _field_names()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    frame_type=st.sampled_from(sorted(MESSAGE_TYPES)),
+    raw=st.one_of(
+        st.binary(max_size=200),
+        st.dictionaries(st.sampled_from(FIELD_NAMES), json_values, max_size=12).map(
+            lambda d: msgpack.packb(d, use_bin_type=True)
+        ),
+    ),
+)
+def test_any_body_decodes_or_is_refused(frame_type: FrameType, raw: bytes) -> None:
+    try:
+        message = decode_body(frame_type, raw, LIMITS)
+    except RemoteProtocolError:
+        return
+    assert type(message) is MESSAGE_TYPES[frame_type]
+
+
+@pytest.mark.parametrize("cls", list(STRATEGIES), ids=lambda c: c.__name__)
+@settings(max_examples=15, deadline=None)
+@given(data=st.data())
+def test_mutated_valid_body_decodes_or_is_refused(cls: type, data: st.DataObject) -> None:
+    raw = bytearray(encode_body(data.draw(STRATEGIES[cls])))
+    for _ in range(data.draw(st.integers(1, 4))):
+        if raw:
+            raw[data.draw(st.integers(0, len(raw) - 1))] = data.draw(st.integers(0, 255))
+    try:
+        message = decode_body(cls.TYPE, bytes(raw), LIMITS)
+    except RemoteProtocolError:
+        return
+    assert type(message) is cls
+
+
+# ---------------------------------------------------------------------------------- manifest
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    tensors=st.lists(
+        st.tuples(st.sampled_from(sorted(DTYPE_SIZES)), st.lists(st.integers(0, 40), max_size=4)), max_size=10
+    )
+)
+def test_pack_manifest_alignment(tensors: list[tuple[str, list[int]]]) -> None:
+    named = [(f"t{i}", dtype, shape) for i, (dtype, shape) in enumerate(tensors)]
+    entries, total = pack_manifest(named)
+    end = 0
+    for entry, (name, dtype, shape) in zip(entries, named, strict=True):
+        assert (entry.name, entry.dtype, entry.shape) == (name, dtype, tuple(shape))
+        assert entry.offset % PACK_ALIGNMENT == 0
+        assert end <= entry.offset < end + PACK_ALIGNMENT
+        end = entry.offset + entry.nbytes
+    assert total == end
+    # Every dimension is at most raw_bytes (protocol/SPEC.md), even in an empty tensor.
+    raw_bytes = max([total, *(d for _, _, shape in named for d in shape)])
+    assert parse_manifest([e.to_wire() for e in entries], raw_bytes, LIMITS) == tuple(entries)
+
+
+def test_pack_manifest_example() -> None:
+    entries, total = pack_manifest([("a", "int8", [3]), ("b", "float32", [2, 2]), ("c", "bfloat16", [])])
+    assert [(e.offset, e.nbytes) for e in entries] == [(0, 3), (64, 16), (128, 2)]
+    assert total == 130
+    assert pack_manifest([]) == ([], 0)
+
+
+def test_empty_tensors() -> None:
+    entries, total = pack_manifest([("a", "float32", [0, 7]), ("b", "int8", [8])])
+    assert total == 8 and [e.nbytes for e in entries] == [0, 8]
+    assert parse_manifest([e.to_wire() for e in entries], total, LIMITS) == tuple(entries)
+
+
+def test_parse_manifest_accepts_any_item_alignment() -> None:
+    wire = [["a", "int8", [1], 0], ["b", "float32", [1], 4], ["c", "float64", [2], 8], ["d", "bool", [0], 24]]
+    parsed = parse_manifest(wire, 24, LIMITS)
+    assert [e.offset for e in parsed] == [0, 4, 8, 24]
+
+
+BAD_MANIFESTS = [
+    pytest.param({"w": 1}, 100, ErrorCode.BAD_MANIFEST, id="not-an-array"),
+    pytest.param([["w", "float32", [1]]], 100, ErrorCode.BAD_MANIFEST, id="three-fields"),
+    pytest.param(["w"], 100, ErrorCode.BAD_MANIFEST, id="entry-not-an-array"),
+    pytest.param([["w", "float8", [1], 0]], 100, ErrorCode.BAD_MANIFEST, id="unknown-dtype"),
+    pytest.param([["w", "complex64", [1], 0]], 100, ErrorCode.BAD_MANIFEST, id="complex"),
+    pytest.param([["w", 4, [1], 0]], 100, ErrorCode.BAD_MANIFEST, id="int-dtype"),
+    pytest.param([[["w"], "int8", [1], 0]], 100, ErrorCode.BAD_MANIFEST, id="list-name"),
+    pytest.param([["w", "int8", [1], 0], ["w", "int8", [1], 1]], 100, ErrorCode.BAD_MANIFEST, id="duplicate"),
+    pytest.param([["a", "int8", [8], 0], ["b", "int8", [1], 4]], 100, ErrorCode.BAD_MANIFEST, id="overlap"),
+    pytest.param(
+        [["a", "int8", [1], 64], ["b", "int8", [1], 0]], 100, ErrorCode.BAD_MANIFEST, id="backwards"
+    ),
+    pytest.param([["a", "float32", [1], 2]], 100, ErrorCode.BAD_MANIFEST, id="misaligned"),
+    pytest.param([["a", "float64", [1], 4]], 100, ErrorCode.BAD_MANIFEST, id="misaligned-8"),
+    pytest.param([["a", "float32", [26], 0]], 100, ErrorCode.BAD_MANIFEST, id="past-the-end"),
+    pytest.param([["a", "int8", [1], 100]], 100, ErrorCode.BAD_MANIFEST, id="starts-at-the-end"),
+    pytest.param([["a", "int8", [100] * 8, 0]], 100, ErrorCode.BAD_MANIFEST, id="huge-product"),
+    pytest.param([["a", "int8", [1] * 9, 0]], 100, ErrorCode.BAD_MANIFEST, id="rank-9"),
+    pytest.param([["a", "int8", 5, 0]], 100, ErrorCode.BAD_MANIFEST, id="shape-not-an-array"),
+    pytest.param([["a", "int8", [-1], 0]], 100, ErrorCode.BAD_MANIFEST, id="negative-dim"),
+    pytest.param([["a", "int8", [True], 0]], 100, ErrorCode.BAD_MANIFEST, id="bool-dim"),
+    pytest.param([["a", "int8", [1.0], 0]], 100, ErrorCode.BAD_MANIFEST, id="float-dim"),
+    pytest.param([["a", "int8", [101], 0]], 100, ErrorCode.BAD_MANIFEST, id="dim-above-raw-bytes"),
+    pytest.param([["a", "int8", [1], -1]], 100, ErrorCode.BAD_MANIFEST, id="negative-offset"),
+    pytest.param([["a", "int8", [1], True]], 100, ErrorCode.BAD_MANIFEST, id="bool-offset"),
+    pytest.param([["a", "int8", [1], 0.0]], 100, ErrorCode.BAD_MANIFEST, id="float-offset"),
+    pytest.param([["", "int8", [1], 0]], 100, ErrorCode.BAD_MANIFEST, id="empty-name"),
+    pytest.param([[b"a", "int8", [1], 0]], 100, ErrorCode.BAD_MANIFEST, id="bytes-name"),
+    pytest.param([["n" * 1025, "int8", [1], 0]], 2000, ErrorCode.BAD_MANIFEST, id="long-name"),
+    pytest.param([["é" * 513, "int8", [1], 0]], 2000, ErrorCode.BAD_MANIFEST, id="long-name-bytes"),
+]
+
+
+@pytest.mark.parametrize(("raw", "raw_bytes", "code"), BAD_MANIFESTS)
+def test_parse_manifest_rejects(raw: object, raw_bytes: int, code: ErrorCode) -> None:
+    with pytest.raises(RemoteProtocolError) as info:
+        parse_manifest(raw, raw_bytes, LIMITS)
+    assert info.value.code is code
+
+
+def test_parse_manifest_limits() -> None:
+    limits = Limits(max_tensors_per_fragment=3, max_tensor_rank=2, max_name_bytes=4)
+    ok = [[f"t{i}", "int8", [1, 1], i] for i in range(3)]
+    assert len(parse_manifest(ok, 3, limits)) == 3
+    with pytest.raises(RemoteProtocolError) as info:
+        parse_manifest([*ok, ["t3", "int8", [1], 3]], 4, limits)
+    assert info.value.code is ErrorCode.LIMIT_EXCEEDED
+    with pytest.raises(RemoteProtocolError) as info:
+        parse_manifest([["t", "int8", [1, 1, 1], 0]], 4, limits)
+    assert info.value.code is ErrorCode.BAD_MANIFEST
+    with pytest.raises(RemoteProtocolError) as info:
+        parse_manifest([["tensor", "int8", [1], 0]], 4, limits)
+    assert info.value.code is ErrorCode.BAD_MANIFEST
+
+
+def test_too_many_tensors_refused_before_looking_at_them() -> None:
+    limits = Limits(max_tensors_per_fragment=10)
+    with pytest.raises(RemoteProtocolError) as info:
+        parse_manifest([None] * 11, 100, limits)
+    assert info.value.code is ErrorCode.LIMIT_EXCEEDED
+
+
+def test_every_dtype_has_its_size() -> None:
+    assert DTYPE_SIZES == {
+        "float32": 4,
+        "float16": 2,
+        "bfloat16": 2,
+        "float64": 8,
+        "int8": 1,
+        "uint8": 1,
+        "int16": 2,
+        "int32": 4,
+        "int64": 8,
+        "bool": 1,
+    }

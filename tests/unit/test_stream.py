@@ -1,0 +1,641 @@
+"""Fragment streams across several connections: InboundStreams reassembly and OutboundTransfer.
+
+A learner (client side) pushes a fragment to a syncer (server side) over one control connection
+and several data connections, each a client/server Connection pair in memory; every server-side
+connection shares one InboundStreams as its chunk sink. Delivery order across connections is
+arbitrary (only each connection keeps its own order), so chunks may overtake their header, arrive
+twice, or arrive after FRAGMENT_END.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dilocod.wire import codecs
+from dilocod.wire.connection import Connection
+from dilocod.wire.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
+from dilocod.wire.events import ChunkReceived, Event, MessageReceived
+from dilocod.wire.frames import CHUNK_HEADER_BYTES, HEADER_BYTES, ChunkHeader, Codec
+from dilocod.wire.limits import Limits
+from dilocod.wire.manifest import pack_manifest
+from dilocod.wire.messages import FragmentEnd, PushHeader, UpdateHeader
+from dilocod.wire.stream import FragmentAssembled, InboundStreams, OutboundTransfer
+
+Connect = Callable[..., tuple[Connection, Connection]]
+
+LIMITS = Limits()
+CHUNK_BYTES = LIMITS.min_chunk_bytes  # 4 KiB: small fragments still have several chunks
+TID = 2
+HEADS = HEADER_BYTES + CHUNK_HEADER_BYTES  # what precedes a chunk's payload on the wire
+SESSION = bytes(range(16))
+
+
+def make_fragment(seed: int, n_bytes: int) -> bytes:
+    """Mixed content: compressible stretches (which lz4/zstd shrink) and random ones (which
+    compress() sends as they are, so they land in place)."""
+    rng = random.Random(seed)
+    parts, size = [], 0
+    while size < n_bytes:
+        n = rng.choice([1000, 3000, 5000])
+        parts.append(rng.randbytes(n) if rng.random() < 0.5 else bytes([rng.randrange(4)]) * n)
+        size += n
+    return b"".join(parts)[:n_bytes]
+
+
+RAW_BYTES = 7 * CHUNK_BYTES + 1000  # eight chunks, the last one short
+FRAGMENT = make_fragment(0, RAW_BYTES)
+
+
+def push_header(raw_bytes: int = RAW_BYTES, codec: str = "zstd") -> PushHeader:
+    entries, total = pack_manifest([("layer.weight", "uint8", [raw_bytes])])
+    assert total == raw_bytes
+    return PushHeader(tuple(entries), raw_bytes, codec, CHUNK_BYTES, fragment=3, round=1, base_version=0)
+
+
+class Receiver:
+    """The receiving session: one InboundStreams behind every connection, as the transport does."""
+
+    def __init__(self, max_early_bytes: int = 64 * 1024 * 1024) -> None:
+        self.streams = InboundStreams(LIMITS, self.allocate, max_early_bytes)
+        self.assembled: list[FragmentAssembled] = []
+        self.early: list[int] = []  # seqs handed back by open()
+        self.in_place: list[int] = []  # seqs whose payload arrived straight in the destination
+
+    def allocate(self, header: PushHeader | UpdateHeader) -> memoryview:
+        return memoryview(bytearray(header.raw_bytes))
+
+    def handle(self, events: Sequence[Event]) -> None:
+        for event in events:
+            if isinstance(event, ChunkReceived):
+                if event.in_place:
+                    self.in_place.append(event.chunk.seq)
+                self.chunk(event.transfer_id, event.chunk, event.payload, event.in_place)
+            elif isinstance(event, MessageReceived):
+                message = event.message
+                if isinstance(message, PushHeader | UpdateHeader):
+                    for early in self.streams.open(event.stream_id, message):
+                        self.early.append(early.chunk.seq)
+                        self.chunk(event.stream_id, early.chunk, early.payload, False)
+                elif isinstance(message, FragmentEnd):
+                    self.done(self.streams.end(event.stream_id, message))
+
+    def chunk(self, transfer_id: int, chunk: ChunkHeader, payload: memoryview, in_place: bool) -> None:
+        dest = self.streams.destination(transfer_id, chunk, payload, in_place)
+        if dest is None:
+            return
+        try:
+            codecs.decompress_into(chunk, payload, dest, in_place=in_place)
+        except RemoteProtocolError:
+            self.streams.chunk_failed(transfer_id, chunk)
+            raise
+        self.done(self.streams.chunk_verified(transfer_id, chunk))
+
+    def done(self, assembled: FragmentAssembled | None) -> None:
+        if assembled is not None:
+            self.assembled.append(assembled)
+
+
+@dataclass
+class Link:
+    """One connection pair; what the client sent waits in packets until delivered."""
+
+    client: Connection
+    server: Connection
+    packets: list[bytes] = field(default_factory=list)
+
+    def capture(self) -> None:
+        data = b"".join(bytes(b) for b in self.client.data_to_send())
+        if data:
+            self.packets.append(data)
+
+
+class Session:
+    """A learner's control connection and data connections to a syncer, in memory."""
+
+    def __init__(self, connect: Connect, receiver: Receiver, n_data: int = 3) -> None:
+        sink = receiver.streams.chunk_target
+        self.receiver = receiver
+        self.control = Link(*connect(server_sink=sink))
+        self.data = [Link(*connect("data", session=SESSION, server_sink=sink)) for _ in range(n_data)]
+
+    def links(self) -> list[Link]:
+        return [self.control, *self.data]
+
+    def deliver(self, link: Link, nbytes: int | None = None) -> None:
+        """Deliver the next packet of link (or only its first nbytes)."""
+        packet = link.packets[0]
+        n = len(packet) if nbytes is None else nbytes
+        self.receiver.handle(link.server.receive_data(packet[:n]))
+        if n >= len(packet):
+            link.packets.pop(0)
+        else:
+            link.packets[0] = packet[n:]
+
+    def deliver_all(self, link: Link) -> None:
+        while link.packets:
+            self.deliver(link)
+
+
+def send_chunk(
+    out: OutboundTransfer,
+    link: Link,
+    index: int,
+    header: PushHeader,
+    fragment: bytes,
+    seq: int,
+    codec: Codec,
+    shuffle: int = 0,
+) -> None:
+    start = seq * header.chunk_bytes
+    raw = memoryview(fragment)[start : start + header.chunk_bytes]
+    used, item_size, payload = codecs.compress(codec, raw, shuffle)
+    chunk = ChunkHeader(seq, len(raw), used, item_size, codecs.checksum(raw))
+    link.client.send_chunk(out.transfer_id, chunk, payload)
+    out.record(seq, index, chunk.checksum)
+    link.capture()
+
+
+def send_fragment(
+    session: Session,
+    header: PushHeader,
+    fragment: bytes,
+    *,
+    transfer_id: int = TID,
+    codec_of: Callable[[int], tuple[Codec, int]] = lambda seq: (Codec.ZSTD, 0),
+) -> OutboundTransfer:
+    """Header on control, chunks striped over the data connections, then FRAGMENT_END."""
+    session.control.client.send(header, transfer_id)
+    session.control.capture()
+    out = OutboundTransfer(transfer_id, header.chunks)
+    for seq in range(header.chunks):
+        index = seq % len(session.data)
+        send_chunk(out, session.data[index], index, header, fragment, seq, *codec_of(seq))
+    session.control.client.send(out.end(), transfer_id)
+    session.control.capture()
+    return out
+
+
+CODEC_CYCLE = [(Codec.NONE, 0), (Codec.LZ4, 0), (Codec.ZSTD, 2), (Codec.LZ4, 4), (Codec.ZSTD, 0)]
+
+
+def cycle_codecs(seq: int) -> tuple[Codec, int]:
+    return CODEC_CYCLE[seq % len(CODEC_CYCLE)]
+
+
+def assert_assembled_once(receiver: Receiver, header: PushHeader, fragment: bytes) -> None:
+    assert len(receiver.assembled) == 1
+    done = receiver.assembled[0]
+    assert done.transfer_id == TID and done.header == header
+    assert bytes(done.buffer) == fragment
+    assert len(receiver.streams) == 0
+
+
+# ------------------------------------------------------------------------------ reassembly
+
+
+def test_fragment_assembles_with_early_duplicate_and_late_chunks(connect: Connect) -> None:
+    receiver = Receiver()
+    session = Session(connect, receiver)
+    header = push_header()
+    out = send_fragment(session, header, FRAGMENT, codec_of=cycle_codecs)
+    assert header.chunks == 8
+    # Duplicates: chunks 0 and 4 (data link 0) resent on data link 1.
+    for seq in (0, 4):
+        send_chunk(out, session.data[1], 1, header, FRAGMENT, seq, *cycle_codecs(seq))
+    link0, link1, link2 = session.data
+    session.deliver(link2)  # chunk 2 overtakes the header: an early chunk
+    session.deliver(link2)  # chunk 5, early too
+    session.deliver(session.control)  # the header
+    assert sorted(receiver.early) == [2, 5]
+    session.deliver_all(link1)  # chunks 1, 4, 7, then the resent 0 (its first copy) and 4 (dropped)
+    session.deliver(session.control)  # FRAGMENT_END before chunks 3 and 6 (link 0)
+    assert receiver.assembled == []
+    assert receiver.streams.missing(TID) == 2
+    session.deliver(link0)  # chunk 0 again: dropped as a duplicate
+    session.deliver(link0)  # chunk 3
+    assert receiver.assembled == []
+    session.deliver(link0)  # chunk 6 completes the fragment
+    assert_assembled_once(receiver, header, FRAGMENT)
+    assert receiver.in_place  # uncompressed chunks were received straight into place
+    assert all(not link.packets for link in session.links())
+
+
+def test_duplicate_does_not_race_a_chunk_landing_in_place(connect: Connect) -> None:
+    """While a chunk's payload is still landing in its slice on one connection, a copy that
+    arrives whole on another must not be verified into the same slice: the bytes still coming
+    could differ, and a verified slice must never change afterwards."""
+    receiver = Receiver()
+    session = Session(connect, receiver, n_data=2)
+    header = push_header(CHUNK_BYTES)
+    session.control.client.send(header, TID)
+    session.control.capture()
+    session.deliver(session.control)
+    raw = FRAGMENT[:CHUNK_BYTES]
+    chunk = ChunkHeader(0, CHUNK_BYTES, Codec.NONE, 0, codecs.checksum(raw))
+    corrupt = bytearray(raw)
+    corrupt[-1] ^= 0xFF
+    slow, fast = session.data
+    slow.client.send_chunk(TID, chunk, corrupt)
+    slow.capture()
+    fast.client.send_chunk(TID, chunk, raw)
+    fast.capture()
+    session.deliver(slow, HEADS + 100)  # lent the slice, a hundred bytes in
+    session.deliver(fast)  # the whole good copy, in a fresh buffer: dropped
+    assert receiver.assembled == [] and receiver.streams.missing(TID) == 1
+    with pytest.raises(RemoteProtocolError) as info:
+        session.deliver(slow)  # the rest of the slow copy, corrupt: found out, never assembled
+    assert info.value.code is ErrorCode.CHECKSUM_MISMATCH
+    assert receiver.assembled == []
+
+
+def test_late_duplicates_after_assembly_are_dropped(connect: Connect) -> None:
+    receiver = Receiver()
+    session = Session(connect, receiver, n_data=2)
+    header = push_header()
+    out = send_fragment(session, header, FRAGMENT, codec_of=cycle_codecs)
+    for link in session.links():
+        session.deliver_all(link)
+    assert len(receiver.assembled) == 1
+    before = bytes(receiver.assembled[0].buffer)
+    for seq in range(header.chunks):  # everything again, uncompressed and corrupted
+        raw = bytearray(FRAGMENT[seq * CHUNK_BYTES : (seq + 1) * CHUNK_BYTES])
+        chunk = ChunkHeader(seq, len(raw), Codec.NONE, 0, codecs.checksum(raw))
+        raw[0] ^= 0xFF
+        session.data[0].client.send_chunk(TID, chunk, raw)
+        out.record(seq, 0, chunk.checksum)
+    session.data[0].capture()
+    session.deliver_all(session.data[0])
+    assert len(receiver.assembled) == 1
+    assert bytes(receiver.assembled[0].buffer) == before == FRAGMENT
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    rng=st.randoms(use_true_random=False),
+    n_data=st.integers(1, 4),
+    raw_bytes=st.sampled_from([CHUNK_BYTES, 3 * CHUNK_BYTES + 1, RAW_BYTES]),
+    n_duplicates=st.integers(0, 4),
+)
+def test_any_delivery_order_assembles_exactly_once(
+    connect: Connect, rng: random.Random, n_data: int, raw_bytes: int, n_duplicates: int
+) -> None:
+    receiver = Receiver()
+    session = Session(connect, receiver, n_data)
+    header = push_header(raw_bytes)
+    fragment = FRAGMENT[:raw_bytes]
+    codec_choice = [rng.choice(CODEC_CYCLE) for _ in range(header.chunks)]
+    out = send_fragment(session, header, fragment, codec_of=codec_choice.__getitem__)
+    for _ in range(n_duplicates):
+        seq, index = rng.randrange(header.chunks), rng.randrange(n_data)
+        send_chunk(out, session.data[index], index, header, fragment, seq, *rng.choice(CODEC_CYCLE))
+    # Interleave the connections arbitrarily, sometimes delivering half a packet at a time.
+    while pending := [link for link in session.links() if link.packets]:
+        link = rng.choice(pending)
+        packet = link.packets[0]
+        session.deliver(link, rng.choice([len(packet), rng.randrange(1, len(packet) + 1)]))
+    assert_assembled_once(receiver, header, fragment)
+
+
+# ------------------------------------------------------------------------------ bad streams
+
+
+def test_digest_mismatch(connect: Connect) -> None:
+    receiver = Receiver()
+    session = Session(connect, receiver, n_data=2)
+    header = push_header()
+    session.control.client.send(header, TID)
+    out = OutboundTransfer(TID, header.chunks)
+    for seq in range(header.chunks):
+        send_chunk(out, session.data[seq % 2], seq % 2, header, FRAGMENT, seq, Codec.LZ4)
+    good = out.end()
+    session.control.client.send(FragmentEnd(good.chunks, good.digest ^ 1), TID)
+    session.control.capture()
+    session.deliver_all(session.data[0])
+    session.deliver(session.control)
+    with pytest.raises(RemoteProtocolError) as info:
+        session.deliver_all(session.data[1])  # the last chunk completes it: the digest differs
+    assert info.value.code is ErrorCode.DIGEST_MISMATCH
+    assert receiver.assembled == [] and len(receiver.streams) == 0
+
+
+def test_digest_mismatch_found_at_the_end(connect: Connect) -> None:
+    receiver = Receiver()
+    session = Session(connect, receiver, n_data=1)
+    header = push_header()
+    out = send_fragment(session, header, FRAGMENT)
+    out.checksums.reverse()  # the digest covers the checksums in order
+    session.control.packets.pop()
+    session.control.client.send(out.end(), TID)
+    session.control.capture()
+    session.deliver(session.control)
+    session.deliver_all(session.data[0])
+    with pytest.raises(RemoteProtocolError) as info:
+        session.deliver(session.control)
+    assert info.value.code is ErrorCode.DIGEST_MISMATCH
+
+
+def test_end_with_the_wrong_chunk_count() -> None:
+    receiver = Receiver()
+    receiver.streams.open(TID, push_header())
+    with pytest.raises(RemoteProtocolError) as info:
+        receiver.streams.end(TID, FragmentEnd(7, 0))
+    assert info.value.code is ErrorCode.LENGTH_MISMATCH
+
+
+def test_end_of_an_unknown_transfer() -> None:
+    with pytest.raises(RemoteProtocolError) as info:
+        Receiver().streams.end(TID, FragmentEnd(1, 0))
+    assert info.value.code is ErrorCode.UNKNOWN_TRANSFER
+
+
+@pytest.mark.parametrize(
+    "chunk",
+    [
+        pytest.param(ChunkHeader(8, CHUNK_BYTES, Codec.NONE, 0, 0), id="seq-past-the-end"),
+        pytest.param(ChunkHeader(2**32 - 1, CHUNK_BYTES, Codec.NONE, 0, 0), id="seq-max"),
+        pytest.param(ChunkHeader(0, CHUNK_BYTES - 1, Codec.NONE, 0, 0), id="short-raw-length"),
+        pytest.param(ChunkHeader(7, CHUNK_BYTES, Codec.NONE, 0, 0), id="last-chunk-too-long"),
+        pytest.param(ChunkHeader(7, 999, Codec.LZ4, 0, 0), id="last-chunk-too-short"),
+    ],
+)
+def test_chunk_that_does_not_fit_the_header(connect: Connect, chunk: ChunkHeader) -> None:
+    receiver = Receiver()
+    session = Session(connect, receiver, n_data=1)
+    session.control.client.send(push_header(), TID)
+    session.control.capture()
+    session.deliver(session.control)
+    payload = bytes(chunk.raw_length) if chunk.codec is Codec.NONE else b"x" * 10
+    session.data[0].client.send_chunk(TID, chunk, payload)
+    session.data[0].capture()
+    link = session.data[0]
+    with pytest.raises(RemoteProtocolError) as info:
+        session.deliver(link, HEADS)  # frame header and chunk sub-header: refused before payload
+    assert info.value.code is ErrorCode.LENGTH_MISMATCH
+
+
+def test_early_chunk_that_does_not_fit_the_header(connect: Connect) -> None:
+    receiver = Receiver()
+    session = Session(connect, receiver, n_data=1)
+    session.data[0].client.send_chunk(TID, ChunkHeader(99, CHUNK_BYTES, Codec.NONE, 0, 0), bytes(CHUNK_BYTES))
+    session.data[0].capture()
+    session.deliver(session.data[0])  # kept: its header has not arrived
+    session.control.client.send(push_header(), TID)
+    session.control.capture()
+    with pytest.raises(RemoteProtocolError) as info:
+        session.deliver(session.control)
+    assert info.value.code is ErrorCode.LENGTH_MISMATCH
+
+
+def test_corrupt_chunk_voids_the_transfer(connect: Connect) -> None:
+    receiver = Receiver()
+    session = Session(connect, receiver, n_data=1)
+    header = push_header()
+    session.control.client.send(header, TID)
+    session.control.capture()
+    session.deliver(session.control)
+    raw = bytearray(FRAGMENT[:CHUNK_BYTES])
+    chunk = ChunkHeader(0, CHUNK_BYTES, Codec.NONE, 0, codecs.checksum(raw))
+    raw[100] ^= 1
+    session.data[0].client.send_chunk(TID, chunk, raw)
+    session.data[0].capture()
+    with pytest.raises(RemoteProtocolError) as info:
+        session.deliver(session.data[0])
+    assert info.value.code is ErrorCode.CHECKSUM_MISMATCH
+    assert len(receiver.streams) == 0
+    # Later chunks of the void transfer are dropped, its end is unknown, its id is spent.
+    good = ChunkHeader(
+        1, CHUNK_BYTES, Codec.NONE, 0, codecs.checksum(FRAGMENT[CHUNK_BYTES : 2 * CHUNK_BYTES])
+    )
+    session.data[0].client.send_chunk(TID, good, FRAGMENT[CHUNK_BYTES : 2 * CHUNK_BYTES])
+    session.data[0].capture()
+    session.deliver(session.data[0])
+    with pytest.raises(RemoteProtocolError) as end_info:
+        receiver.streams.end(TID, FragmentEnd(header.chunks, 0))
+    assert end_info.value.code is ErrorCode.UNKNOWN_TRANSFER
+    with pytest.raises(RemoteProtocolError) as reuse_info:
+        receiver.streams.open(TID, header)
+    assert reuse_info.value.code is ErrorCode.DUPLICATE_TRANSFER
+
+
+def test_reset_drops_the_transfer_and_its_early_chunks() -> None:
+    receiver = Receiver(max_early_bytes=3 * (CHUNK_BYTES + 1024))
+    streams = receiver.streams
+    chunk = ChunkHeader(0, CHUNK_BYTES, Codec.NONE, 0, 0)
+    for _ in range(2):
+        assert streams.chunk_target(TID, chunk, CHUNK_BYTES) is None
+        assert streams.destination(TID, chunk, memoryview(bytearray(CHUNK_BYTES))) is None
+    streams.reset(TID)
+    # The budget is free again for another transfer, and late chunks of the reset one are dropped.
+    for _ in range(2):
+        assert streams.chunk_target(TID + 2, chunk, CHUNK_BYTES) is None
+    assert streams.chunk_target(TID, chunk, CHUNK_BYTES) is None
+    assert streams.destination(TID, chunk, memoryview(bytearray(CHUNK_BYTES))) is None
+    with pytest.raises(RemoteProtocolError):
+        streams.open(TID, push_header())
+
+
+def test_transfer_id_reused_while_open() -> None:
+    streams = Receiver().streams
+    streams.open(TID, push_header())
+    with pytest.raises(RemoteProtocolError) as info:
+        streams.open(TID, push_header())
+    assert info.value.code is ErrorCode.DUPLICATE_TRANSFER
+
+
+def test_transfers_in_flight_are_bounded() -> None:
+    limits = Limits(max_transfers_in_flight=3)
+    streams = InboundStreams(limits, lambda h: memoryview(bytearray(h.raw_bytes)))
+    for tid in (2, 4, 6):
+        streams.open(tid, push_header())
+    with pytest.raises(RemoteProtocolError) as info:
+        streams.open(8, push_header())
+    assert info.value.code is ErrorCode.LIMIT_EXCEEDED
+    streams.reset(2)
+    streams.open(8, push_header())
+
+
+def test_allocator_must_return_the_declared_size() -> None:
+    streams = InboundStreams(LIMITS, lambda h: memoryview(bytearray(h.raw_bytes - 1)))
+    with pytest.raises(LocalProtocolError):
+        streams.open(TID, push_header())
+
+
+# ------------------------------------------------------------------------------ early chunks
+
+
+def early_chunk_frames(link: Link, count: int, payload_bytes: int = CHUNK_BYTES, tid: int = TID) -> None:
+    for seq in range(count):
+        if payload_bytes:
+            raw = bytes(payload_bytes)
+            chunk = ChunkHeader(seq, payload_bytes, Codec.NONE, 0, codecs.checksum(raw))
+            link.client.send_chunk(tid, chunk, raw)
+        else:  # an empty compressed payload: only found to be bad when decoded
+            link.client.send_chunk(tid, ChunkHeader(seq, CHUNK_BYTES, Codec.LZ4, 0, 0), b"")
+        link.capture()
+
+
+def test_too_many_early_bytes(connect: Connect) -> None:
+    budget = 4 * CHUNK_BYTES
+    receiver = Receiver(max_early_bytes=budget)
+    session = Session(connect, receiver, n_data=1)
+    link = session.data[0]
+    early_chunk_frames(link, 5)
+    accepted, stage = 0, ""
+    with pytest.raises(RemoteProtocolError) as info:
+        while link.packets:
+            stage = "headers"
+            session.deliver(link, HEADS)
+            stage = "payload"
+            session.deliver(link)
+            accepted += 1
+    assert info.value.code is ErrorCode.UNKNOWN_TRANSFER
+    assert stage == "headers"  # refused before the payload is buffered
+    assert 2 <= accepted <= 4
+    assert accepted * CHUNK_BYTES <= budget
+
+
+def test_empty_early_chunks_are_bounded_too(connect: Connect) -> None:
+    """Early chunks cost memory beyond their payload; a flood of empty ones must hit the cap."""
+    receiver = Receiver(max_early_bytes=64 * 1024)
+    session = Session(connect, receiver, n_data=1)
+    link = session.data[0]
+    early_chunk_frames(link, 5000, payload_bytes=0)
+    with pytest.raises(RemoteProtocolError) as info:
+        session.deliver_all(link)
+    assert info.value.code is ErrorCode.UNKNOWN_TRANSFER
+
+
+def test_early_budget_comes_back_when_the_header_arrives(connect: Connect) -> None:
+    budget = 3 * CHUNK_BYTES + 3 * 1024
+    receiver = Receiver(max_early_bytes=budget)
+    session = Session(connect, receiver, n_data=1)
+    link = session.data[0]
+    header = push_header()
+    for round_ in range(4):  # far more than the budget in total, never too much at once
+        tid = TID + 2 * round_
+        early_chunk_frames(link, 3, tid=tid)
+        session.deliver_all(link)
+        session.control.client.send(header, tid)
+        session.control.capture()
+        session.deliver(session.control)
+        assert sorted(receiver.early[-3:]) == [0, 1, 2]
+
+
+def test_header_arriving_mid_chunk_releases_the_budget(connect: Connect) -> None:
+    """A chunk counted as early when its header came in, whose header arrived while its payload
+    was still on the way, must not keep holding the early budget."""
+    budget = 2 * CHUNK_BYTES + 2 * 1024
+    receiver = Receiver(max_early_bytes=budget)
+    session = Session(connect, receiver, n_data=1)
+    link = session.data[0]
+    header = push_header()
+    for round_ in range(4):
+        tid = TID + 2 * round_
+        out = OutboundTransfer(tid, header.chunks)
+        for seq in range(2):
+            send_chunk(out, link, 0, header, FRAGMENT, seq, Codec.NONE)
+        session.control.client.send(header, tid)
+        session.control.capture()
+        session.deliver(link, 100)  # the first chunk is counted as early...
+        session.deliver(session.control)  # ...then its header arrives...
+        session.deliver_all(link)  # ...then the rest of it, and the second chunk
+        assert receiver.streams.missing(tid) == header.chunks - 2
+
+
+def test_rejected_early_chunk_does_not_shrink_the_budget() -> None:
+    budget = 2 * CHUNK_BYTES + 2 * 1024
+    streams = Receiver(max_early_bytes=budget).streams
+    chunk = ChunkHeader(0, CHUNK_BYTES, Codec.NONE, 0, 0)
+    for _ in range(2):
+        assert streams.chunk_target(TID, chunk, CHUNK_BYTES) is None
+        streams.destination(TID, chunk, memoryview(bytearray(CHUNK_BYTES)))
+    for _ in range(3):  # refused, each on its own connection
+        with pytest.raises(RemoteProtocolError):
+            streams.chunk_target(TID + 2, chunk, CHUNK_BYTES)
+    assert len(streams.open(TID, push_header())) == 2
+    for _ in range(2):  # the whole budget is available again
+        assert streams.chunk_target(TID + 4, chunk, CHUNK_BYTES) is None
+
+
+# ------------------------------------------------------------------------------ lost links
+
+
+def test_connection_lost_returns_what_it_carried() -> None:
+    out = OutboundTransfer(TID, 6)
+    carried = {0: [0, 3], 1: [1, 4], 2: [2, 5]}
+    for seq in range(6):
+        out.record(seq, seq % 3, 1000 + seq)
+    out.record(3, 1, 1003)  # chunk 3 resent on connection 1
+    assert out.connection_lost(0) == carried[0]
+    assert out.connection_lost(0) == []
+    assert out.connection_lost(1) == [*carried[1], 3]
+    assert out.connection_lost(7) == []
+    assert out.connection_lost(2) == carried[2]
+    assert out.end() == FragmentEnd(6, codecs.fragment_digest([1000 + s for s in range(6)]))
+
+
+def test_transfer_needs_a_chunk() -> None:
+    with pytest.raises(LocalProtocolError):
+        OutboundTransfer(TID, 0)
+
+
+def test_lost_connection_chunks_resent_on_the_survivors(connect: Connect) -> None:
+    receiver = Receiver()
+    session = Session(connect, receiver)
+    header = push_header()
+    out = send_fragment(session, header, FRAGMENT, codec_of=cycle_codecs)
+    session.deliver_all(session.control)
+    session.deliver_all(session.data[0])
+    session.deliver(session.data[1])  # link 1 delivers its first chunk, then dies
+    session.data[1].packets.clear()
+    lost = out.connection_lost(1)
+    assert lost == list(range(1, header.chunks, 3))
+    for i, seq in enumerate(lost):
+        index = (0, 2)[i % 2]
+        send_chunk(out, session.data[index], index, header, FRAGMENT, seq, *cycle_codecs(seq))
+    session.deliver_all(session.data[2])
+    session.deliver_all(session.data[0])
+    assert_assembled_once(receiver, header, FRAGMENT)
+
+
+def test_connection_lost_inside_a_chunk_received_in_place(connect: Connect) -> None:
+    """A data connection dies halfway through an uncompressed chunk that was landing straight in
+    the destination; the copy resent on another connection must be taken, not dropped as a
+    duplicate of the half-written one."""
+    receiver = Receiver()
+    session = Session(connect, receiver, n_data=2)
+    header = push_header()
+    out = send_fragment(session, header, FRAGMENT, codec_of=lambda seq: (Codec.NONE, 0))
+    session.deliver_all(session.control)
+    session.deliver_all(session.data[0])
+    dying = session.data[1]
+    session.deliver(dying, HEADS + 1000)  # chunk 1 is a thousand bytes into its slice
+    with pytest.raises(RemoteProtocolError):
+        dying.server.receive_eof()  # the connection is lost: TRUNCATED
+    lent = dying.server.lent_chunk  # what the transport hands back when a connection is lost
+    assert lent is not None and lent[0] == TID and lent[1].seq == 1
+    receiver.streams.chunk_abandoned(*lent)
+    for seq in out.connection_lost(1):
+        send_chunk(out, session.data[0], 0, header, FRAGMENT, seq, Codec.NONE)
+    session.deliver_all(session.data[0])
+    assert_assembled_once(receiver, header, FRAGMENT)
+
+
+def test_nothing_is_lent_between_chunks(connect: Connect) -> None:
+    receiver = Receiver()
+    session = Session(connect, receiver, n_data=1)
+    assert session.data[0].server.lent_chunk is None
+    header = push_header()
+    send_fragment(session, header, bytes(RAW_BYTES), codec_of=lambda seq: (Codec.LZ4, 0))
+    session.deliver_all(session.control)
+    session.deliver(session.data[0], HEADS + 1)  # a compressed chunk gets a fresh buffer
+    assert session.data[0].server.lent_chunk is None
+    session.deliver_all(session.data[0])
+    assert session.data[0].server.lent_chunk is None
+    assert len(receiver.assembled) == 1

@@ -119,7 +119,10 @@ def _decode(chunk: ChunkHeader, payload: Buffer) -> bytes:
                     ErrorCode.LENGTH_MISMATCH,
                     f"chunk {chunk.seq}: zstd frame declares {declared} bytes, header {chunk.raw_length}",
                 )
-            decoded = zstandard.ZstdDecompressor().decompress(payload, max_output_size=chunk.raw_length)
+            # A payload is exactly one frame: bytes after it are refused, not ignored.
+            decoded = zstandard.ZstdDecompressor().decompress(
+                payload, max_output_size=chunk.raw_length, allow_extra_data=False
+            )
     except (lz4.block.LZ4BlockError, zstandard.ZstdError) as exc:
         raise RemoteProtocolError(
             ErrorCode.LENGTH_MISMATCH, f"chunk {chunk.seq} does not decode to {chunk.raw_length} bytes: {exc}"

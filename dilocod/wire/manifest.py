@@ -85,7 +85,7 @@ def parse_manifest(raw: object, raw_bytes: int, limits: Limits) -> tuple[TensorE
         if name in names:
             raise _bad(f"entry {index}: duplicate name {name!r}")
         names.add(name)
-        if dtype not in DTYPE_SIZES:
+        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:  # a list is unhashable
             raise _bad(f"{name}: unknown dtype {dtype!r}")
         if not isinstance(shape, list) or len(shape) > limits.max_tensor_rank:
             raise _bad(f"{name}: shape must be an array of at most {limits.max_tensor_rank} dims")

@@ -229,6 +229,24 @@ def test_zstd_frame_declaring_another_size() -> None:
     assert info.value.code is ErrorCode.LENGTH_MISMATCH
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param(b"\x01\x02\x03", id="stray-bytes"),
+        pytest.param(zstandard.ZstdCompressor().compress(b"more"), id="second-frame"),
+    ],
+)
+def test_zstd_payload_with_trailing_bytes(extra: bytes) -> None:
+    """A chunk's payload is exactly one zstd frame: nothing may follow it, even when the first
+    frame alone decodes to the right bytes."""
+    raw = b"q" * 4096
+    chunk, payload = encode(Codec.ZSTD, raw)
+    assert chunk.codec is Codec.ZSTD
+    with pytest.raises(RemoteProtocolError) as info:
+        decode(chunk, payload + extra)
+    assert info.value.code is ErrorCode.LENGTH_MISMATCH
+
+
 def test_zstd_frame_declaring_its_true_size_decodes() -> None:
     raw = b"y" * 4096
     payload = zstandard.ZstdCompressor(write_content_size=True).compress(raw)

@@ -415,6 +415,8 @@ BAD_MANIFESTS = [
     pytest.param([["w", "float8", [1], 0]], 100, ErrorCode.BAD_MANIFEST, id="unknown-dtype"),
     pytest.param([["w", "complex64", [1], 0]], 100, ErrorCode.BAD_MANIFEST, id="complex"),
     pytest.param([["w", 4, [1], 0]], 100, ErrorCode.BAD_MANIFEST, id="int-dtype"),
+    pytest.param([["w", ["float32"], [1], 0]], 100, ErrorCode.BAD_MANIFEST, id="list-dtype"),
+    pytest.param([["w", {"a": 1}, [1], 0]], 100, ErrorCode.BAD_MANIFEST, id="map-dtype"),
     pytest.param([[["w"], "int8", [1], 0]], 100, ErrorCode.BAD_MANIFEST, id="list-name"),
     pytest.param([["w", "int8", [1], 0], ["w", "int8", [1], 1]], 100, ErrorCode.BAD_MANIFEST, id="duplicate"),
     pytest.param([["a", "int8", [8], 0], ["b", "int8", [1], 4]], 100, ErrorCode.BAD_MANIFEST, id="overlap"),
@@ -447,6 +449,37 @@ def test_parse_manifest_rejects(raw: object, raw_bytes: int, code: ErrorCode) ->
     with pytest.raises(RemoteProtocolError) as info:
         parse_manifest(raw, raw_bytes, LIMITS)
     assert info.value.code is code
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    raw=st.one_of(
+        json_like,
+        st.lists(st.one_of(json_like, st.lists(json_like, min_size=4, max_size=4)), max_size=5),
+        st.lists(
+            st.tuples(
+                st.one_of(st.text(max_size=4), json_like),
+                st.one_of(st.sampled_from(sorted(DTYPE_SIZES)), json_like),
+                st.one_of(st.lists(st.integers(-2, 300), max_size=9), json_like),
+                st.one_of(st.integers(-2, 10_000), json_like),
+            ).map(list),
+            max_size=5,
+        ),
+    ),
+    raw_bytes=st.integers(0, 10_000),
+)
+def test_any_manifest_parses_or_is_refused(raw: object, raw_bytes: int) -> None:
+    """What a peer puts in a stream header's manifest is decoded msgpack: anything at all."""
+    try:
+        entries = parse_manifest(raw, raw_bytes, LIMITS)
+    except RemoteProtocolError as exc:
+        assert exc.code in (ErrorCode.BAD_MANIFEST, ErrorCode.LIMIT_EXCEEDED)
+        return
+    end = 0
+    for entry in entries:
+        assert entry.offset >= end and entry.offset % DTYPE_SIZES[entry.dtype] == 0
+        end = entry.offset + entry.nbytes
+    assert end <= raw_bytes
 
 
 def test_parse_manifest_limits() -> None:

@@ -349,7 +349,6 @@ class Connection:
                 f"this end {PROTOCOL_MIN_VERSION}..{PROTOCOL_MAX_VERSION}",
             )
         self._hello, self.version, self.kind = hello, high, hello.kind
-        self.state = HANDSHAKE_RECEIVE[(self.role, State.AWAIT_HELLO, FrameType.HELLO)]
         self._server_nonce = self._random_bytes(NONCE_BYTES)
         method = "hmac-sha256" if self._secret else "none"
         self.send(AuthChallenge(high, method, self._server_nonce))
@@ -371,7 +370,6 @@ class Connection:
                 ErrorCode.AUTH_REQUIRED, "server requires a shared secret and this end has none"
             )
         self.version, self._server_nonce = challenge.version, challenge.nonce
-        self.state = State.AWAIT_WELCOME
         mac = b""
         if self._secret:
             mac = auth.client_proof(self._secret, hello, challenge.version, challenge.nonce)
@@ -384,7 +382,6 @@ class Connection:
             expected = auth.client_proof(self._secret, hello, self.version, self._server_nonce)
             if not auth.verify(expected, response.mac):
                 raise RemoteProtocolError(ErrorCode.AUTH_FAILED, "authentication failed")
-        self.state = State.OPEN
         self.session = hello.session or self._random_bytes(SESSION_ID_BYTES)
         mac = (
             auth.server_proof(self._secret, hello, self.version, self._server_nonce, self.session)
@@ -424,7 +421,7 @@ class Connection:
                 raise RemoteProtocolError(ErrorCode.AUTH_FAILED, "server failed to prove the secret")
         if hello.session and welcome.session != hello.session:
             raise RemoteProtocolError(ErrorCode.UNKNOWN_SESSION, "server answered for another session")
-        self.state = State.OPEN
+        self.state = HANDSHAKE_RECEIVE[(self.role, State.AWAIT_WELCOME, FrameType.WELCOME)]
         self.session = welcome.session
         self.peer = HandshakeCompleted(
             self.version,

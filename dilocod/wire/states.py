@@ -27,19 +27,21 @@ class State(Enum):
     CLOSED = "closed"
 
 
-#: Handshake: (our role, state, frame received) -> next state.
+#: Handshake: (our role, state, frame received) -> the state once it is handled. The core answers
+#: HELLO, AUTH_CHALLENGE and AUTH_RESPONSE itself; the answer's send transition gets it there.
 HANDSHAKE_RECEIVE: dict[tuple[Role, State, F], State] = {
     (Role.SERVER, State.AWAIT_HELLO, F.HELLO): State.AWAIT_RESPONSE,
     (Role.SERVER, State.AWAIT_RESPONSE, F.AUTH_RESPONSE): State.OPEN,
     (Role.CLIENT, State.AWAIT_CHALLENGE, F.AUTH_CHALLENGE): State.AWAIT_WELCOME,
     (Role.CLIENT, State.AWAIT_WELCOME, F.WELCOME): State.OPEN,
 }
-#: Handshake: (our role, state, frame sent) -> next state.
+#: Handshake: (our role, state, frame sent) -> next state. Each is sent once: its source state is
+#: left by sending it.
 HANDSHAKE_SEND: dict[tuple[Role, State, F], State] = {
     (Role.CLIENT, State.START, F.HELLO): State.AWAIT_CHALLENGE,
-    (Role.SERVER, State.AWAIT_RESPONSE, F.AUTH_CHALLENGE): State.AWAIT_RESPONSE,
-    (Role.CLIENT, State.AWAIT_WELCOME, F.AUTH_RESPONSE): State.AWAIT_WELCOME,
-    (Role.SERVER, State.OPEN, F.WELCOME): State.OPEN,
+    (Role.SERVER, State.AWAIT_HELLO, F.AUTH_CHALLENGE): State.AWAIT_RESPONSE,
+    (Role.CLIENT, State.AWAIT_CHALLENGE, F.AUTH_RESPONSE): State.AWAIT_WELCOME,
+    (Role.SERVER, State.AWAIT_RESPONSE, F.WELCOME): State.OPEN,
 }
 
 _ANY_OPEN = frozenset({F.PING, F.PONG, F.GOODBYE, F.ERROR, F.CHUNK, F.STREAM_RESET})

@@ -488,7 +488,6 @@ def test_forbidden_send_is_a_local_error(
     assert a.state is State.OPEN
 
 
-@pytest.mark.xfail(strict=True, reason="states.HANDSHAKE_SEND lets an open server send WELCOME again")
 def test_second_welcome_is_a_local_error(connect: Connect) -> None:
     _, server = connect()
     with pytest.raises(LocalProtocolError):

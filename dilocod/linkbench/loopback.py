@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dilocod.linkbench.raw import RawClient
+from dilocod.linkbench.serve import process_status
 from dilocod.transport.endpoints import connect
 from dilocod.transport.loop import loop_name, run
 from dilocod.transport.options import TransportOptions
@@ -106,15 +107,20 @@ async def _fragment_runs(
             header = PushHeader(tuple(manifest), raw_bytes, codec, plan.chunk_bytes)
             shuffle = 4 if plan.shuffle and codec != "none" else 0
             await session.send_fragment(header, data, shuffle_item_size=shuffle)  # warm-up
-            rates, cores, ratios = [], [], []
+            rates, cores, sender_cores, ratios = [], [], [], []
             for _ in range(plan.repeats):
                 before, wire_before = await _status(session), _wire_bytes(session)
+                own_before = process_status()
                 start = time.perf_counter()
                 await session.send_fragment(header, data, shuffle_item_size=shuffle)
                 seconds = time.perf_counter() - start
+                own_after = process_status()
                 after, wire = await _status(session), _wire_bytes(session) - wire_before
                 rates.append(raw_bytes * 8 / seconds / 1e9)
                 cores.append((after["cpu_s"] - before["cpu_s"]) / (after["wall_s"] - before["wall_s"]))
+                sender_cores.append(
+                    (own_after["cpu_s"] - own_before["cpu_s"]) / (own_after["wall_s"] - own_before["wall_s"])
+                )
                 ratios.append(raw_bytes / wire)
             gbps = statistics.median(rates)
             core_share = statistics.median(cores)
@@ -126,9 +132,13 @@ async def _fragment_runs(
                     "compression_ratio": round(statistics.median(ratios), 4),
                     "receiver_cores": round(core_share, 3),
                     "receiver_cores_per_5gbps": round(core_share * 5 / gbps, 3),
+                    "sender_cores": round(statistics.median(sender_cores), 3),
                 }
             )
-            progress(f"  dilocod {codec:>4} x{streams}: {gbps:6.2f} Gbps, receiver {core_share:.2f} cores")
+            progress(
+                f"  dilocod {codec:>4} x{streams}: {gbps:6.2f} Gbps, receiver {core_share:.2f} cores, "
+                f"sender {statistics.median(sender_cores):.2f} cores"
+            )
     finally:
         await session.close("bench done")
     return runs

@@ -140,8 +140,20 @@ def bench_loopback(
 @insecure_option
 @click.option("--ready-json", is_flag=True, help="Print one JSON line with the bound ports when ready.")
 @click.option("--uvloop/--no-uvloop", default=True, show_default=True, help="Use uvloop if installed.")
+@click.option(
+    "--stall-timeout-s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    hidden=True,
+    help="Cut off peers that stall mid-frame or in the handshake this fast (for tests).",
+)
 def bench_serve(
-    listen: str, secret_file: Path | None, insecure: bool, ready_json: bool, uvloop: bool
+    listen: str,
+    secret_file: Path | None,
+    insecure: bool,
+    ready_json: bool,
+    uvloop: bool,
+    stall_timeout_s: float | None,
 ) -> None:
     """The receiving end of `dilocod bench`: accepts fragments and raw TCP until interrupted."""
     from dilocod.linkbench.serve import serve  # noqa: PLC0415
@@ -159,7 +171,7 @@ def bench_serve(
             )
         sys.stdout.flush()
 
-    run(serve(address, secret=secret, ready=ready), use_uvloop=uvloop)
+    run(serve(address, secret=secret, ready=ready, stall_timeout_s=stall_timeout_s), use_uvloop=uvloop)
 
 
 @main.command()

@@ -21,6 +21,7 @@ from typing import Any
 from dilocod.config import Address
 from dilocod.linkbench.raw import serve_raw
 from dilocod.transport.endpoints import Server
+from dilocod.transport.options import TransportOptions
 from dilocod.transport.session import FragmentReceived, Session
 from dilocod.wire.messages import PushHeader, StatusRequest, StatusResponse, UpdateHeader
 from dilocod.wire.stream import StreamHeader
@@ -55,8 +56,16 @@ async def serve(
     secret: bytes | None,
     ready: Callable[[dict[str, Any]], None],
     raw_port: int | None = None,
+    stall_timeout_s: float | None = None,
 ) -> None:
-    """Serve until SIGTERM or SIGINT."""
+    """Serve until SIGTERM or SIGINT.
+
+    stall_timeout_s, when given, replaces both the mid-frame stall and the handshake deadlines, so a
+    stalled peer can be seen cut off in seconds rather than after the default half minute.
+    """
+    options = TransportOptions()
+    if stall_timeout_s is not None:
+        options = TransportOptions(stall_timeout_s=stall_timeout_s, handshake_timeout_s=stall_timeout_s)
     pool = BufferPool()
     raw_listener = socket.create_server((listen.host, raw_port if raw_port is not None else 0))
     stop_raw = threading.Event()
@@ -88,7 +97,9 @@ async def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        async with Server(handle, server_id="bench", secret=secret, allocate=pool.allocate) as server:
+        async with Server(
+            handle, server_id="bench", secret=secret, options=options, allocate=pool.allocate
+        ) as server:
             host, port = await server.listen(listen.host, listen.port)
             ready(
                 {

@@ -16,7 +16,7 @@ from dilocod.transport.options import TransportOptions
 from dilocod.transport.sockets import tune
 from dilocod.wire.connection import Buffer, Connection
 from dilocod.wire.errors import ErrorCode, RemoteProtocolError
-from dilocod.wire.events import Event, HandshakeCompleted, MessageReceived
+from dilocod.wire.events import Event, HandshakeCompleted, MessageReceived, PeerWentAway
 from dilocod.wire.frames import ChunkHeader
 from dilocod.wire.messages import Message, Ping, Pong
 from dilocod.wire.states import State
@@ -25,6 +25,16 @@ EventHandler = Callable[["FrameProtocol", Event], None]
 LostHandler = Callable[["FrameProtocol", BaseException | None], None]
 #: After an error frame is queued, how long the peer gets to read it before we abort.
 CLOSE_GRACE_S = 2.0
+
+
+def _refusal(event: PeerWentAway) -> BaseException:
+    try:
+        code = ErrorCode(event.error_code) if event.error_code is not None else None
+    except ValueError:
+        code = None
+    if code is None:
+        return ConnectionError(f"peer closed during the handshake: {event.reason}")
+    return RemoteProtocolError(code, f"peer refused the handshake: {event.reason}")
 
 
 class FrameProtocol(asyncio.BufferedProtocol):
@@ -170,6 +180,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
         for event in events:
             if isinstance(event, HandshakeCompleted) and not self.handshake.done():
                 self.handshake.set_result(event)
+            elif isinstance(event, PeerWentAway) and not self.handshake.done() and self.error is None:
+                # The peer refused the handshake with an ERROR frame: keep its code, so the dialer
+                # reports AUTH_FAILED (or whatever it was) rather than a bare closed connection.
+                self.error = _refusal(event)
             elif isinstance(event, MessageReceived) and isinstance(event.message, Ping):
                 if self.is_open:
                     self.conn.send(Pong(event.message.seq))

@@ -98,6 +98,9 @@ class Session:
         self._owns_executor = owns_executor
         self._inbound = InboundStreams(limits, allocate or allocate_bytearray)
         self._inbound_opened: dict[int, float] = {}
+        #: (transfer, seq) -> a resent copy of a chunk that another connection is still reading in
+        #: place; kept until that read completes (then dropped) or its connection dies (then used).
+        self._spares: dict[tuple[int, int], ChunkReceived] = {}
         self._outbound: dict[int, _Send] = {}
         # Client-sent transfers are odd, server-sent even (protocol/SPEC.md §6).
         self._transfer_ids = itertools.count(1 if role is Role.CLIENT else 2, 2)
@@ -316,12 +319,26 @@ class Session:
             self._decode(transfer_id, chunk.chunk, chunk.payload, in_place=False)
 
     def _on_chunk(self, event: ChunkReceived) -> None:
+        key = (event.transfer_id, event.chunk.seq)
+        if event.in_place:
+            self._spares.pop(key, None)
         dest = self._guard(
             event.transfer_id,
             partial(self._inbound.destination, event.transfer_id, event.chunk, event.payload, event.in_place),
         )
         if isinstance(dest, memoryview):
             self._decode(event.transfer_id, event.chunk, event.payload, in_place=event.in_place, dest=dest)
+        elif dest is None and not event.in_place and self._lent_elsewhere(key):
+            # The sender resent this chunk because it lost a connection; the receiving end of that
+            # connection may not have noticed yet and still holds the slot, half written.
+            self._spares[key] = event
+
+    def _lent_elsewhere(self, key: tuple[int, int]) -> bool:
+        for proto in self.data:
+            lent = proto.conn.lent_chunk
+            if lent is not None and (lent[0], lent[1].seq) == key:
+                return True
+        return False
 
     def _decode(
         self,
@@ -385,11 +402,13 @@ class Session:
     def _reset_inbound(self, transfer_id: int, exc: RemoteProtocolError) -> None:
         self._inbound.reset(transfer_id)
         self._inbound_opened.pop(transfer_id, None)
+        self._drop_spares(transfer_id)
         if self.control.is_open:
             self.control.send(StreamReset(int(exc.code), exc.message), transfer_id)
 
     def _deliver(self, done: FragmentAssembled) -> None:
         self._inbound_opened.pop(done.transfer_id, None)
+        self._drop_spares(done.transfer_id)
         if self.control.is_open:
             self.control.send(FragmentAck(), done.transfer_id)
         self.bytes_payload_received += done.header.raw_bytes
@@ -430,9 +449,23 @@ class Session:
                 )
         self._timer = self._loop.call_later(self.options.ping_interval_s, self._keepalive)
 
+    def _drop_spares(self, transfer_id: int) -> None:
+        if self._spares:
+            for key in [k for k in self._spares if k[0] == transfer_id]:
+                del self._spares[key]
+
     def _on_data_lost(self, proto: FrameProtocol, exc: BaseException | None) -> None:
         if proto in self.data:
             self.data.remove(proto)
+        lent = proto.conn.lent_chunk
+        if lent is not None:
+            # The connection died in the middle of a chunk it was writing into its destination:
+            # free that slot for the copy the sender resends, or use the copy if it came first.
+            transfer_id, chunk = lent
+            self._inbound.chunk_abandoned(transfer_id, chunk)
+            spare = self._spares.pop((transfer_id, chunk.seq), None)
+            if spare is not None:
+                self._on_chunk(spare)
         for send in self._outbound.values():
             lost = send.out.connection_lost(proto.index)
             if lost:

@@ -23,7 +23,7 @@ from typing import Any
 from dilocod.linkbench.raw import RawClient
 from dilocod.linkbench.serve import process_status
 from dilocod.transport.endpoints import connect
-from dilocod.transport.loop import loop_name, run
+from dilocod.transport.loop import loop_factory, run
 from dilocod.transport.options import TransportOptions
 from dilocod.transport.session import Session
 from dilocod.wire.manifest import pack_manifest
@@ -155,9 +155,7 @@ def run_loopback(plan: LoopbackPlan, progress: Progress) -> dict[str, Any]:
             try:
                 view = memoryview(data)
                 client.send(view)  # warm-up: the receiver allocates its destination
-                raw = statistics.median(
-                    len(data) * 8 / client.send(view) / 1e9 for _ in range(plan.repeats)
-                )
+                raw = statistics.median(len(data) * 8 / client.send(view) / 1e9 for _ in range(plan.repeats))
             finally:
                 client.close()
             raw_rows.append({"streams": streams, "gbps": round(raw, 3)})
@@ -181,17 +179,9 @@ def run_loopback(plan: LoopbackPlan, progress: Progress) -> dict[str, Any]:
         "size_bytes": plan.size_bytes,
         "chunk_bytes": plan.chunk_bytes,
         "repeats": plan.repeats,
-        "loop": "uvloop" if plan.use_uvloop and _has_uvloop() else "asyncio",
+        "loop": "uvloop" if loop_factory(plan.use_uvloop) else "asyncio",
         "cpus": os.cpu_count(),
     }
-
-
-def _has_uvloop() -> bool:
-    try:
-        import uvloop  # noqa: F401, PLC0415
-    except ImportError:
-        return False
-    return True
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -211,6 +201,3 @@ def format_table(result: dict[str, Any]) -> str:
             f"{run_row['receiver_cores_per_5gbps']:>6.2f}"
         )
     return "\n".join(lines)
-
-
-__all__ = ["LoopbackPlan", "format_table", "loop_name", "run_loopback"]

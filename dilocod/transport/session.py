@@ -487,7 +487,10 @@ class Session:
             send.wake.set()
         for proto in [*self.data, self.control]:
             if proto.transport is not None and not proto.transport.is_closing():
-                proto.go_away(reason) if proto.is_open else proto.transport.close()
+                if proto.is_open:
+                    proto.go_away(reason)
+                else:
+                    proto.transport.close()
         if self._owns_executor:
             self._executor.shutdown(wait=False, cancel_futures=True)
 

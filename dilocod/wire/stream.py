@@ -163,10 +163,6 @@ class InboundStreams:
         if inbound is not None and chunk.seq < len(inbound.state) and inbound.state[chunk.seq] == _ARRIVING:
             inbound.state[chunk.seq] = _PENDING
 
-    def chunk_failed(self, transfer_id: int, chunk: ChunkHeader) -> None:
-        """A chunk failed verification: the whole transfer is void (the caller resets it)."""
-        self.reset(transfer_id)
-
     def end(self, transfer_id: int, end: FragmentEnd) -> FragmentAssembled | None:
         inbound = self._transfers.get(transfer_id)
         if inbound is None:

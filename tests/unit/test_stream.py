@@ -92,7 +92,7 @@ class Receiver:
         try:
             codecs.decompress_into(chunk, payload, dest, in_place=in_place)
         except RemoteProtocolError:
-            self.streams.chunk_failed(transfer_id, chunk)
+            self.streams.reset(transfer_id)  # a bad chunk voids its transfer
             raise
         self.done(self.streams.chunk_verified(transfer_id, chunk))
 

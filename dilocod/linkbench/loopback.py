@@ -1,7 +1,8 @@
 """`dilocod bench loopback`: the raw TCP ceiling and dilocod fragment transfers between two real
 processes on 127.0.0.1, measured side by side in one run.
 
-For each stream count: the raw ceiling with that many plain sockets, then one dilocod session with
+For each stream count: the raw ceiling with that many plain sockets (a thread per stream, and one
+thread for all of them, which is dilocod's own shape), then one dilocod session with
 that many data connections pushing a fragment of gradient-like float32 with each codec. A push is
 timed from its header to the receiver's acknowledgement, so it includes verification of every
 chunk. The receiver's CPU share comes from its own process times, read over the timed interval.
@@ -20,12 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dilocod.linkbench.raw import RawClient
+from dilocod.linkbench.raw import RawClient, RawMode
 from dilocod.linkbench.serve import process_status
 from dilocod.transport.endpoints import connect
 from dilocod.transport.loop import loop_factory, run
 from dilocod.transport.options import TransportOptions
 from dilocod.transport.session import Session
+from dilocod.wire.codecs import chunk_checksums
 from dilocod.wire.manifest import pack_manifest
 from dilocod.wire.messages import PushHeader, StatusRequest, StatusResponse
 
@@ -93,6 +95,48 @@ def _wire_bytes(session: Session) -> int:
     return sum(p.conn.bytes_sent for p in [session.control, *session.data])
 
 
+async def _timed_runs(
+    plan: LoopbackPlan,
+    session: Session,
+    header: PushHeader,
+    data: bytearray,
+    shuffle: int,
+    checksums: list[int] | None,
+    progress: Progress,
+) -> dict[str, Any]:
+    rates, cores, sender_cores, ratios = [], [], [], []
+    for _ in range(plan.repeats):
+        before, wire_before = await _status(session), _wire_bytes(session)
+        own_before = process_status()
+        start = time.perf_counter()
+        await session.send_fragment(header, data, shuffle_item_size=shuffle, checksums=checksums)
+        seconds = time.perf_counter() - start
+        own_after = process_status()
+        after, wire = await _status(session), _wire_bytes(session) - wire_before
+        rates.append(header.raw_bytes * 8 / seconds / 1e9)
+        cores.append((after["cpu_s"] - before["cpu_s"]) / (after["wall_s"] - before["wall_s"]))
+        sender_cores.append(
+            (own_after["cpu_s"] - own_before["cpu_s"]) / (own_after["wall_s"] - own_before["wall_s"])
+        )
+        ratios.append(header.raw_bytes / wire)
+    gbps, core_share = statistics.median(rates), statistics.median(cores)
+    hashing = "while sending" if checksums is None else "prepared"
+    progress(
+        f"  dilocod {header.codec:>4} x{len(session.data)} (checksums {hashing}): {gbps:6.2f} Gbps, "
+        f"receiver {core_share:.2f} cores, sender {statistics.median(sender_cores):.2f} cores"
+    )
+    return {
+        "codec": header.codec,
+        "streams": len(session.data),
+        "checksums": hashing,
+        "gbps": round(gbps, 3),
+        "compression_ratio": round(statistics.median(ratios), 4),
+        "receiver_cores": round(core_share, 3),
+        "receiver_cores_per_5gbps": round(core_share * 5 / gbps, 3),
+        "sender_cores": round(statistics.median(sender_cores), 3),
+    }
+
+
 async def _fragment_runs(
     plan: LoopbackPlan, port: int, streams: int, data: bytearray, progress: Progress
 ) -> list[dict[str, Any]]:
@@ -107,41 +151,31 @@ async def _fragment_runs(
             header = PushHeader(tuple(manifest), raw_bytes, codec, plan.chunk_bytes)
             shuffle = 4 if plan.shuffle and codec != "none" else 0
             await session.send_fragment(header, data, shuffle_item_size=shuffle)  # warm-up
-            rates, cores, sender_cores, ratios = [], [], [], []
-            for _ in range(plan.repeats):
-                before, wire_before = await _status(session), _wire_bytes(session)
-                own_before = process_status()
+            runs.append(await _timed_runs(plan, session, header, data, shuffle, None, progress))
+            if codec == "none":
+                # What the syncer does for M learners, and a learner where it makes the outer
+                # gradient: the chunk checksums are computed once, outside the transfer.
                 start = time.perf_counter()
-                await session.send_fragment(header, data, shuffle_item_size=shuffle)
-                seconds = time.perf_counter() - start
-                own_after = process_status()
-                after, wire = await _status(session), _wire_bytes(session) - wire_before
-                rates.append(raw_bytes * 8 / seconds / 1e9)
-                cores.append((after["cpu_s"] - before["cpu_s"]) / (after["wall_s"] - before["wall_s"]))
-                sender_cores.append(
-                    (own_after["cpu_s"] - own_before["cpu_s"]) / (own_after["wall_s"] - own_before["wall_s"])
-                )
-                ratios.append(raw_bytes / wire)
-            gbps = statistics.median(rates)
-            core_share = statistics.median(cores)
-            runs.append(
-                {
-                    "codec": codec,
-                    "streams": streams,
-                    "gbps": round(gbps, 3),
-                    "compression_ratio": round(statistics.median(ratios), 4),
-                    "receiver_cores": round(core_share, 3),
-                    "receiver_cores_per_5gbps": round(core_share * 5 / gbps, 3),
-                    "sender_cores": round(statistics.median(sender_cores), 3),
-                }
-            )
-            progress(
-                f"  dilocod {codec:>4} x{streams}: {gbps:6.2f} Gbps, receiver {core_share:.2f} cores, "
-                f"sender {statistics.median(sender_cores):.2f} cores"
-            )
+                checksums = chunk_checksums(data, plan.chunk_bytes)
+                prepare_s = time.perf_counter() - start
+                row = await _timed_runs(plan, session, header, data, shuffle, checksums, progress)
+                runs.append({**row, "prepare_ms": round(prepare_s * 1e3, 2)})
     finally:
         await session.close("bench done")
     return runs
+
+
+RAW_MODES: tuple[RawMode, ...] = ("threaded", "shared")
+
+
+def _raw_gbps(port: int, streams: int, mode: RawMode, data: bytearray, repeats: int) -> float:
+    client = RawClient("127.0.0.1", port, streams, mode)
+    try:
+        view = memoryview(data)
+        client.send(view)  # warm-up: the receiver allocates its destination
+        return round(statistics.median(len(data) * 8 / client.send(view) / 1e9 for _ in range(repeats)), 3)
+    finally:
+        client.close()
 
 
 def run_loopback(plan: LoopbackPlan, progress: Progress) -> dict[str, Any]:
@@ -151,20 +185,21 @@ def run_loopback(plan: LoopbackPlan, progress: Progress) -> dict[str, Any]:
     try:
         raw_rows, runs = [], []
         for streams in plan.streams:
-            client = RawClient("127.0.0.1", ready["raw_port"], streams)
-            try:
-                view = memoryview(data)
-                client.send(view)  # warm-up: the receiver allocates its destination
-                raw = statistics.median(len(data) * 8 / client.send(view) / 1e9 for _ in range(plan.repeats))
-            finally:
-                client.close()
-            raw_rows.append({"streams": streams, "gbps": round(raw, 3)})
-            progress(f"raw TCP x{streams}: {raw:6.2f} Gbps")
+            raw = {
+                mode: _raw_gbps(ready["raw_port"], streams, mode, data, plan.repeats)
+                for mode in RAW_MODES
+            }
+            raw_rows.append({"streams": streams, "gbps": raw["threaded"], "one_thread_gbps": raw["shared"]})
+            progress(
+                f"raw TCP x{streams}: {raw['threaded']:6.2f} Gbps with a thread per stream, "
+                f"{raw['shared']:6.2f} Gbps with one thread"
+            )
             rows = run(
                 _fragment_runs(plan, ready["port"], streams, data, progress), use_uvloop=plan.use_uvloop
             )
             for row in rows:
-                row["ratio_to_raw"] = round(row["gbps"] / raw, 3)
+                row["ratio_to_raw"] = round(row["gbps"] / raw["threaded"], 3)
+                row["ratio_to_one_thread_raw"] = round(row["gbps"] / raw["shared"], 3)
             runs.extend(rows)
     finally:
         child.terminate()
@@ -188,16 +223,19 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"loopback, {result['size_bytes'] / 2**20:.0f} MiB float32 fragment, chunks of "
         f"{result['chunk_bytes'] / 2**20:g} MiB, median of {result['repeats']}, {result['loop']}",
+        "raw: plain TCP with a thread per stream (T) and with one thread for all streams (1T)",
         "",
-        f"{'codec':>6} {'streams':>7} {'Gbps':>7} {'raw Gbps':>8} {'x raw':>6} {'ratio':>6} "
-        f"{'rx cores':>8} {'rx@5G':>6}",
+        f"{'codec':>6} {'checksums':>13} {'streams':>7} {'Gbps':>7} {'raw T':>7} {'x T':>5} "
+        f"{'raw 1T':>7} {'x 1T':>5} {'ratio':>6} {'rx cores':>8} {'rx@5G':>6}",
     ]
-    raw_by_streams = {r["streams"]: r["gbps"] for r in result["raw"]}
-    for run_row in result["runs"]:
+    raw_by_streams = {r["streams"]: r for r in result["raw"]}
+    for row in result["runs"]:
+        raw = raw_by_streams[row["streams"]]
         lines.append(
-            f"{run_row['codec']:>6} {run_row['streams']:>7} {run_row['gbps']:>7.2f} "
-            f"{raw_by_streams[run_row['streams']]:>8.2f} {run_row['ratio_to_raw']:>6.2f} "
-            f"{run_row['compression_ratio']:>6.3f} {run_row['receiver_cores']:>8.2f} "
-            f"{run_row['receiver_cores_per_5gbps']:>6.2f}"
+            f"{row['codec']:>6} {row['checksums']:>13} {row['streams']:>7} {row['gbps']:>7.2f} "
+            f"{raw['gbps']:>7.2f} {row['ratio_to_raw']:>5.2f} "
+            f"{raw['one_thread_gbps']:>7.2f} {row['ratio_to_one_thread_raw']:>5.2f} "
+            f"{row['compression_ratio']:>6.3f} {row['receiver_cores']:>8.2f} "
+            f"{row['receiver_cores_per_5gbps']:>6.2f}"
         )
     return "\n".join(lines)

@@ -28,6 +28,19 @@ def checksum(raw: Buffer) -> int:
     return xxhash.xxh3_64_intdigest(raw)
 
 
+def chunk_checksums(raw: Buffer, chunk_bytes: int) -> list[int]:
+    """The checksum of every chunk of a fragment, in sequence order.
+
+    A sender that computes these where the fragment is made (while its bytes are still in cache,
+    off the network thread) or once for many receivers hands them to Session.send_fragment, which
+    then hashes nothing itself.
+    """
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk size must be positive, not {chunk_bytes}")
+    view = memoryview(raw).cast("B")
+    return [checksum(view[start : start + chunk_bytes]) for start in range(0, len(view), chunk_bytes)]
+
+
 def fragment_digest(checksums: Iterable[int]) -> int:
     """xxh3-64 over the chunk checksums in sequence order, each as 8 big-endian bytes."""
     h = xxhash.xxh3_64()

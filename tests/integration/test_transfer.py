@@ -7,19 +7,26 @@ loop kind as the client).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 import pytest
 
 from dilocod.transport.endpoints import connect
+from dilocod.transport.errors import TransferFailed
+from dilocod.wire.codecs import chunk_checksums
+from dilocod.wire.errors import ErrorCode
 from dilocod.wire.limits import KiB, MiB
 
 from .support import (
+    CHUNK_BYTES,
+    TRANSFER_TIMEOUT_S,
     BenchServer,
     Fragments,
     assert_echo_matches,
     echo,
     make_fragment,
+    recv_fragment,
     wire_bytes_sent,
 )
 
@@ -145,6 +152,59 @@ def test_uneven_last_chunk_that_compresses(
             received = await echo(session, fragment, codec, shuffle=4)
             assert_echo_matches(received, fragment, codec)
             assert wire_bytes_sent(session) - before < fragment.raw_bytes
+        finally:
+            await session.close("done")
+
+    arun(main())
+
+
+@pytest.mark.parametrize(("codec", "shuffle"), [("none", 0), ("zstd", 4)])
+def test_prepared_checksums_round_trip(
+    arun: Callable[..., object], bench_server: BenchServer, fragments: Fragments, codec: str, shuffle: int
+) -> None:
+    """Checksums computed where the fragment is made are what the receiver verifies against."""
+    fragment = fragments.get(3 * MiB + 17)
+    checksums = chunk_checksums(fragment.data, CHUNK_BYTES)
+
+    async def main() -> None:
+        session = await connect("127.0.0.1", bench_server.port, peer_id="prepared", streams=2)
+        try:
+            async with asyncio.timeout(TRANSFER_TIMEOUT_S):
+                await session.send_fragment(
+                    fragment.push_header(codec), fragment.data, shuffle_item_size=shuffle, checksums=checksums
+                )
+                received = await recv_fragment(session)
+            assert_echo_matches(received, fragment, codec)
+        finally:
+            await session.close("done")
+
+    arun(main())
+
+
+def test_buffer_changed_after_preparing_fails_the_transfer(
+    arun: Callable[..., object], bench_server: BenchServer, fragments: Fragments
+) -> None:
+    """A fragment changed after its checksums were computed is refused by the receiver as a
+    checksum mismatch (a retryable TransferFailed), never delivered; the session goes on, and a
+    wrong number of checksums is the caller's error before anything is sent."""
+    fragment = fragments.get(2 * MiB)
+    checksums = chunk_checksums(fragment.data, CHUNK_BYTES)
+    changed = bytearray(fragment.data)
+    changed[MiB + 5] ^= 0x40
+
+    async def main() -> None:
+        session = await connect("127.0.0.1", bench_server.port, peer_id="changed", streams=2)
+        try:
+            with pytest.raises(ValueError, match="checksums"):
+                await session.send_fragment(
+                    fragment.push_header("none"), fragment.data, checksums=checksums[:1]
+                )
+            async with asyncio.timeout(TRANSFER_TIMEOUT_S):
+                with pytest.raises(TransferFailed) as failed:
+                    await session.send_fragment(fragment.push_header("none"), changed, checksums=checksums)
+                assert failed.value.code == ErrorCode.CHECKSUM_MISMATCH
+                received = await echo(session, fragment, "none", shuffle=0)
+            assert_echo_matches(received, fragment, "none")
         finally:
             await session.close("done")
 

@@ -369,3 +369,27 @@ def test_fragment_digest_covers_big_endian_checksums() -> None:
     assert codecs.fragment_digest([1, 2]) == xxhash.xxh3_64_intdigest(
         (1).to_bytes(8, "big") + (2).to_bytes(8, "big")
     )
+
+
+@given(length=st.integers(0, 5000), chunk=st.integers(1, 1200))
+@settings(max_examples=50, deadline=None)
+def test_chunk_checksums_match_chunk_by_chunk(length: int, chunk: int) -> None:
+    """One checksum per chunk, the last one ragged, each the xxh3-64 of exactly that chunk."""
+    raw = bytes((i * 7 + 3) % 256 for i in range(length))
+    expected = [xxhash.xxh3_64_intdigest(raw[start : start + chunk]) for start in range(0, length, chunk)]
+    assert codecs.chunk_checksums(raw, chunk) == expected
+    assert len(expected) == -(-length // chunk)
+
+
+def test_chunk_checksums_of_a_typed_view_cover_its_bytes() -> None:
+    words = memoryview(bytearray(range(16))).cast("I")
+    assert codecs.chunk_checksums(words, 8) == [
+        xxhash.xxh3_64_intdigest(bytes(range(8))),
+        xxhash.xxh3_64_intdigest(bytes(range(8, 16))),
+    ]
+
+
+@pytest.mark.parametrize("chunk", [0, -1])
+def test_chunk_checksums_need_a_positive_chunk_size(chunk: int) -> None:
+    with pytest.raises(ValueError, match="positive"):
+        codecs.chunk_checksums(b"abc", chunk)

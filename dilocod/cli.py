@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
@@ -77,6 +78,8 @@ def main() -> None:
     A CPU-only syncer holds the global model in fragments; learners train without blocking on the
     network and exchange one fragment at a time over a chunked, compressed, striped TCP protocol.
     """
+    # torch warns at import when numpy is missing; dilocod never hands tensors to numpy.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
 
 @main.group()

@@ -1,11 +1,13 @@
 """`dilocod bench loopback`: the raw TCP ceiling and dilocod fragment transfers between two real
 processes on 127.0.0.1, measured side by side in one run.
 
-For each stream count: the raw ceiling with that many plain sockets (a thread per stream, and one
-thread for all of them, which is dilocod's own shape), then one dilocod session with
-that many data connections pushing a fragment of gradient-like float32 with each codec. A push is
-timed from its header to the receiver's acknowledgement, so it includes verification of every
-chunk. The receiver's CPU share comes from its own process times, read over the timed interval.
+For each stream count, one dilocod session with that many data connections pushes a fragment of
+gradient-like float32 with each codec, and right before every timed push the raw ceiling is
+measured with as many plain sockets (a thread per stream, and one thread for all of them, which is
+dilocod's own shape); each ratio is the median of those side-by-side pairs, so load that comes and
+goes on a shared machine moves both sides of it. A push is timed from its header to the receiver's
+acknowledgement, so it includes verification of every chunk. The receiver's CPU share comes from
+its own process times, read over the timed interval.
 """
 
 from __future__ import annotations
@@ -95,9 +97,45 @@ def _wire_bytes(session: Session) -> int:
     return sum(p.conn.bytes_sent for p in [session.control, *session.data])
 
 
+RAW_MODES: tuple[RawMode, ...] = ("threaded", "shared")
+
+
+@dataclass(slots=True)
+class _RawPair:
+    """Both raw ceilings for one stream count, measured right beside every dilocod transfer so
+    that each ratio compares two moments of the same (shared, noisy) machine."""
+
+    clients: dict[RawMode, RawClient]
+    samples: dict[RawMode, list[float]]
+
+    @classmethod
+    def open(cls, port: int, streams: int, data: bytearray) -> _RawPair:
+        pair = cls({}, {mode: [] for mode in RAW_MODES})
+        try:
+            for mode in RAW_MODES:
+                pair.clients[mode] = RawClient("127.0.0.1", port, streams, mode)
+                pair.clients[mode].send(memoryview(data))  # warm-up: the receiver allocates
+        except BaseException:
+            pair.close()
+            raise
+        return pair
+
+    def measure(self, data: bytearray) -> dict[RawMode, float]:
+        view = memoryview(data)
+        gbps = {mode: len(data) * 8 / client.send(view) / 1e9 for mode, client in self.clients.items()}
+        for mode, value in gbps.items():
+            self.samples[mode].append(value)
+        return gbps
+
+    def close(self) -> None:
+        for client in self.clients.values():
+            client.close()
+
+
 async def _timed_runs(
     plan: LoopbackPlan,
     session: Session,
+    raw: _RawPair,
     header: PushHeader,
     data: bytearray,
     shuffle: int,
@@ -105,7 +143,10 @@ async def _timed_runs(
     progress: Progress,
 ) -> dict[str, Any]:
     rates, cores, sender_cores, ratios = [], [], [], []
+    to_raw: dict[RawMode, list[float]] = {mode: [] for mode in RAW_MODES}
     for _ in range(plan.repeats):
+        # The event loop is blocked while the raw sockets run: nothing else is in flight then.
+        ceiling = raw.measure(data)
         before, wire_before = await _status(session), _wire_bytes(session)
         own_before = process_status()
         start = time.perf_counter()
@@ -114,6 +155,8 @@ async def _timed_runs(
         own_after = process_status()
         after, wire = await _status(session), _wire_bytes(session) - wire_before
         rates.append(header.raw_bytes * 8 / seconds / 1e9)
+        for mode in RAW_MODES:
+            to_raw[mode].append(rates[-1] / ceiling[mode])
         cores.append((after["cpu_s"] - before["cpu_s"]) / (after["wall_s"] - before["wall_s"]))
         sender_cores.append(
             (own_after["cpu_s"] - own_before["cpu_s"]) / (own_after["wall_s"] - own_before["wall_s"])
@@ -121,24 +164,28 @@ async def _timed_runs(
         ratios.append(header.raw_bytes / wire)
     gbps, core_share = statistics.median(rates), statistics.median(cores)
     hashing = "while sending" if checksums is None else "prepared"
-    progress(
-        f"  dilocod {header.codec:>4} x{len(session.data)} (checksums {hashing}): {gbps:6.2f} Gbps, "
-        f"receiver {core_share:.2f} cores, sender {statistics.median(sender_cores):.2f} cores"
-    )
-    return {
+    row = {
         "codec": header.codec,
         "streams": len(session.data),
         "checksums": hashing,
         "gbps": round(gbps, 3),
+        "ratio_to_raw": round(statistics.median(to_raw["threaded"]), 3),
+        "ratio_to_one_thread_raw": round(statistics.median(to_raw["shared"]), 3),
         "compression_ratio": round(statistics.median(ratios), 4),
         "receiver_cores": round(core_share, 3),
         "receiver_cores_per_5gbps": round(core_share * 5 / gbps, 3),
         "sender_cores": round(statistics.median(sender_cores), 3),
     }
+    progress(
+        f"  dilocod {header.codec:>4} x{row['streams']} (checksums {hashing}): {gbps:6.2f} Gbps, "
+        f"{row['ratio_to_raw']:.2f}x raw, {row['ratio_to_one_thread_raw']:.2f}x one-thread raw, "
+        f"receiver {core_share:.2f} cores, sender {row['sender_cores']:.2f} cores"
+    )
+    return row
 
 
 async def _fragment_runs(
-    plan: LoopbackPlan, port: int, streams: int, data: bytearray, progress: Progress
+    plan: LoopbackPlan, port: int, raw: _RawPair, streams: int, data: bytearray, progress: Progress
 ) -> list[dict[str, Any]]:
     options = TransportOptions(chunk_bytes=plan.chunk_bytes)
     session = await connect(
@@ -151,31 +198,18 @@ async def _fragment_runs(
             header = PushHeader(tuple(manifest), raw_bytes, codec, plan.chunk_bytes)
             shuffle = 4 if plan.shuffle and codec != "none" else 0
             await session.send_fragment(header, data, shuffle_item_size=shuffle)  # warm-up
-            runs.append(await _timed_runs(plan, session, header, data, shuffle, None, progress))
+            runs.append(await _timed_runs(plan, session, raw, header, data, shuffle, None, progress))
             if codec == "none":
                 # What the syncer does for M learners, and a learner where it makes the outer
                 # gradient: the chunk checksums are computed once, outside the transfer.
                 start = time.perf_counter()
                 checksums = chunk_checksums(data, plan.chunk_bytes)
                 prepare_s = time.perf_counter() - start
-                row = await _timed_runs(plan, session, header, data, shuffle, checksums, progress)
+                row = await _timed_runs(plan, session, raw, header, data, shuffle, checksums, progress)
                 runs.append({**row, "prepare_ms": round(prepare_s * 1e3, 2)})
     finally:
         await session.close("bench done")
     return runs
-
-
-RAW_MODES: tuple[RawMode, ...] = ("threaded", "shared")
-
-
-def _raw_gbps(port: int, streams: int, mode: RawMode, data: bytearray, repeats: int) -> float:
-    client = RawClient("127.0.0.1", port, streams, mode)
-    try:
-        view = memoryview(data)
-        client.send(view)  # warm-up: the receiver allocates its destination
-        return round(statistics.median(len(data) * 8 / client.send(view) / 1e9 for _ in range(repeats)), 3)
-    finally:
-        client.close()
 
 
 def run_loopback(plan: LoopbackPlan, progress: Progress) -> dict[str, Any]:
@@ -185,22 +219,26 @@ def run_loopback(plan: LoopbackPlan, progress: Progress) -> dict[str, Any]:
     try:
         raw_rows, runs = [], []
         for streams in plan.streams:
-            raw = {
-                mode: _raw_gbps(ready["raw_port"], streams, mode, data, plan.repeats)
-                for mode in RAW_MODES
+            raw = _RawPair.open(ready["raw_port"], streams, data)
+            try:
+                runs.extend(
+                    run(
+                        _fragment_runs(plan, ready["port"], raw, streams, data, progress),
+                        use_uvloop=plan.use_uvloop,
+                    )
+                )
+            finally:
+                raw.close()
+            row = {
+                "streams": streams,
+                "gbps": round(statistics.median(raw.samples["threaded"]), 3),
+                "one_thread_gbps": round(statistics.median(raw.samples["shared"]), 3),
             }
-            raw_rows.append({"streams": streams, "gbps": raw["threaded"], "one_thread_gbps": raw["shared"]})
+            raw_rows.append(row)
             progress(
-                f"raw TCP x{streams}: {raw['threaded']:6.2f} Gbps with a thread per stream, "
-                f"{raw['shared']:6.2f} Gbps with one thread"
+                f"raw TCP x{streams} (median beside the transfers above): {row['gbps']:6.2f} Gbps with a "
+                f"thread per stream, {row['one_thread_gbps']:6.2f} Gbps with one thread"
             )
-            rows = run(
-                _fragment_runs(plan, ready["port"], streams, data, progress), use_uvloop=plan.use_uvloop
-            )
-            for row in rows:
-                row["ratio_to_raw"] = round(row["gbps"] / raw["threaded"], 3)
-                row["ratio_to_one_thread_raw"] = round(row["gbps"] / raw["shared"], 3)
-            runs.extend(rows)
     finally:
         child.terminate()
         try:
@@ -223,7 +261,8 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"loopback, {result['size_bytes'] / 2**20:.0f} MiB float32 fragment, chunks of "
         f"{result['chunk_bytes'] / 2**20:g} MiB, median of {result['repeats']}, {result['loop']}",
-        "raw: plain TCP with a thread per stream (T) and with one thread for all streams (1T)",
+        "raw: plain TCP with a thread per stream (T) and one thread for all streams (1T), measured right",
+        "before each timed transfer; x T and x 1T are medians of those per-transfer ratios",
         "",
         f"{'codec':>6} {'checksums':>13} {'streams':>7} {'Gbps':>7} {'raw T':>7} {'x T':>5} "
         f"{'raw 1T':>7} {'x 1T':>5} {'ratio':>6} {'rx cores':>8} {'rx@5G':>6}",

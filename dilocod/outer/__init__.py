@@ -1,0 +1,58 @@
+"""The outer loop's math (DESIGN.md §3): pure functions over lists of tensors.
+
+Fragment plan and schedule, the learner's outer gradient and how it adopts a merged fragment,
+merge weights, the RDA and mean merges, the outer Nesterov step (alone, and fused with the merge
+for the syncer), the guard that screens outer gradients, and lossy wire precision with error
+feedback. Both daemons compose these; nothing else re-implements them. In-place functions end
+with an underscore. No networking, clocks or logging here; torch is the only heavy dependency.
+"""
+
+from __future__ import annotations
+
+from dilocod.outer.apply import APPLY_MODES, apply_update_
+from dilocod.outer.gradient import pseudo_gradient
+from dilocod.outer.guard import Verdict, check_outer_gradient
+from dilocod.outer.merge import embedding_mask, mean_merge, rda_merge
+from dilocod.outer.nesterov import nesterov_step_
+from dilocod.outer.plan import Fragment, FragmentPlan, module_sizes, plan_fragments, plan_module
+from dilocod.outer.quantize import (
+    QuantizationReport,
+    QuantizedTensor,
+    dequantize,
+    quantization_report,
+    quantize,
+    quantize_with_feedback_,
+)
+from dilocod.outer.schedule import RoundOpening, open_rounds, quorum_clock, round_fragment, rounds_due
+from dilocod.outer.step import outer_step_
+from dilocod.outer.weights import merge_weights
+
+__all__ = [
+    "APPLY_MODES",
+    "Fragment",
+    "FragmentPlan",
+    "QuantizationReport",
+    "QuantizedTensor",
+    "RoundOpening",
+    "Verdict",
+    "apply_update_",
+    "check_outer_gradient",
+    "dequantize",
+    "embedding_mask",
+    "mean_merge",
+    "merge_weights",
+    "module_sizes",
+    "nesterov_step_",
+    "open_rounds",
+    "outer_step_",
+    "plan_fragments",
+    "plan_module",
+    "pseudo_gradient",
+    "quantization_report",
+    "quantize",
+    "quantize_with_feedback_",
+    "quorum_clock",
+    "rda_merge",
+    "round_fragment",
+    "rounds_due",
+]

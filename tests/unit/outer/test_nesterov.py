@@ -1,0 +1,92 @@
+"""The outer Nesterov step equals torch.optim.SGD(nesterov=True) bit for bit, and the fused
+merge-and-step equals the two calls one after the other bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dilocod.outer import mean_merge, nesterov_step_, outer_step_, rda_merge
+
+pytestmark = pytest.mark.filterwarnings("ignore:Failed to initialize NumPy:UserWarning")
+
+SHAPES = [(300, 7), (1000,), (5,), (4, 4, 4)]
+
+
+@pytest.mark.parametrize("block_numel", [1 << 17, 128, 7])
+@pytest.mark.parametrize(("lr", "mu"), [(0.7, 0.9), (0.4, 0.95), (1.0, 0.5)])
+def test_equals_torch_sgd_nesterov_over_50_steps(block_numel: int, lr: float, mu: float) -> None:
+    gen = torch.Generator().manual_seed(11)
+    start = [torch.randn(s, generator=gen) for s in SHAPES]
+    reference = [torch.nn.Parameter(t.clone()) for t in start]
+    sgd = torch.optim.SGD(reference, lr=lr, momentum=mu, nesterov=True)
+    params = [t.clone() for t in start]
+    momentum = [torch.zeros(s) for s in SHAPES]
+    for step in range(50):
+        delta = [torch.randn(s, generator=gen) * 10 ** (step % 3 - 2) for s in SHAPES]
+        for p, d in zip(reference, delta, strict=True):
+            p.grad = d.clone()
+        sgd.step()
+        nesterov_step_(params, delta, momentum, lr, mu, block_numel=block_numel)
+        for p, ref in zip(params, reference, strict=True):
+            assert torch.equal(p, ref.detach()), f"step {step} differs"
+    for b, ref in zip(momentum, reference, strict=True):
+        assert torch.equal(b, sgd.state[ref]["momentum_buffer"])
+
+
+def test_works_on_parameters_that_require_grad_and_non_contiguous_views() -> None:
+    gen = torch.Generator().manual_seed(12)
+    base = torch.randn(40, 30, generator=gen)
+    p = torch.nn.Parameter(base.clone())
+    view = base.clone().t()  # non-contiguous
+    b1, b2 = torch.zeros(40, 30), torch.zeros(30, 40)
+    d = torch.randn(40, 30, generator=gen)
+    nesterov_step_([p], [d], [b1], 0.7, 0.9, block_numel=64)
+    nesterov_step_([view], [d.t()], [b2], 0.7, 0.9, block_numel=64)
+    assert torch.equal(p.detach(), view.t())
+
+
+def test_rejects_mismatched_state() -> None:
+    with pytest.raises(ValueError):
+        nesterov_step_([torch.zeros(3)], [torch.zeros(3)], [torch.zeros(4)], 0.7, 0.9)
+    with pytest.raises(TypeError):
+        nesterov_step_([torch.zeros(3)], [torch.zeros(3, dtype=torch.float64)], [torch.zeros(3)], 0.7, 0.9)
+    with pytest.raises(ValueError):
+        nesterov_step_([torch.zeros(3)], [torch.zeros(3)], [torch.zeros(3)], 0.7, -0.1)
+
+
+@pytest.mark.parametrize("merge", ["rda", "mean"])
+@pytest.mark.parametrize("block_numel", [1 << 17, 100])
+@pytest.mark.parametrize("count", [1, 2, 4])
+def test_fused_step_equals_merge_then_step(merge: str, block_numel: int, count: int) -> None:
+    gen = torch.Generator().manual_seed(13 + count)
+    params = [torch.randn(s, generator=gen) for s in SHAPES]
+    momentum = [torch.randn(s, generator=gen) * 0.1 for s in SHAPES]
+    fused_params, fused_momentum = [p.clone() for p in params], [b.clone() for b in momentum]
+    scratch = [torch.empty(s) for s in SHAPES]
+    is_embedding = [False, True, False, False]
+    for _ in range(3):
+        deltas = [[torch.randn(s, generator=gen) * (m + 1) for s in SHAPES] for m in range(count)]
+        deltas[0][3].zero_()  # a zero contribution: RDA falls back to the mean on that tensor
+        weights = [float(m + 1) for m in range(count)]
+        if merge == "rda":
+            merged = rda_merge(deltas, weights, is_embedding, block_numel=block_numel)
+        else:
+            merged = mean_merge(deltas, weights, block_numel=block_numel)
+        nesterov_step_(params, merged, momentum, 0.7, 0.9, block_numel=block_numel)
+        outer_step_(
+            fused_params,
+            fused_momentum,
+            deltas,
+            weights,
+            0.7,
+            0.9,
+            merge=merge,
+            is_embedding=is_embedding,
+            scratch=scratch if count % 2 else None,
+            block_numel=block_numel,
+        )
+        for a, b in zip(params + momentum, fused_params + fused_momentum, strict=True):
+            assert torch.equal(a, b)
+    with pytest.raises(ValueError):
+        outer_step_(params, momentum, deltas, weights, 0.7, 0.9, merge="median")

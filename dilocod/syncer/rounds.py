@@ -1,0 +1,430 @@
+"""The syncer's round state machine (DESIGN.md §3.2 and §3.4) as a pure object with injected time.
+
+It owns the roster (who is live, how fast each learner steps, what each contributed), the global
+clock, the versions of the fragments, and every open round: which learners were asked, which
+pushes arrived, when quorum was reached and how long the grace window runs. It decides; the
+service acts. Every input is a method call that takes `now` (seconds on any monotonic clock), and
+every decision comes back as a value: requests to send, rounds to merge, pushes to drop.
+
+What it deliberately does not hold: tensors (the service keeps the pushed buffers, keyed by
+(learner, round)), sockets, clocks, logging. Schedule and weights come from dilocod.outer, which
+nothing here re-implements.
+
+Push life cycle. A push header is admitted or refused at once (NOT_REQUESTED, STALE_VERSION:
+refusing before the bytes arrive saves the link). Once the whole fragment has arrived and the
+service has screened it (outer.check_outer_gradient against `norm_history`), `push_complete`
+records it. A push that completes after its round started merging is late: it is carried into the
+next round of the same fragment, with its weight, unless by then its base version is more than
+`staleness` versions behind.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+from dilocod.outer import merge_weights, open_rounds, quorum_clock
+from dilocod.outer.guard import Verdict
+
+#: How many accepted outer-gradient norms the guard compares a new one against.
+NORM_HISTORY = 64
+#: Ended rounds remembered (to admit late pushes), in units of the fragment count.
+CLOSED_ROUNDS_PER_FRAGMENT = 2
+
+
+@dataclass(frozen=True, slots=True)
+class RoundConfig:
+    """The schedule's knobs (DESIGN.md §3.6 defaults)."""
+
+    fragments: int = 24  # P
+    sync_every: int = 24  # H
+    overlap: int = 2  # tau
+    quorum: int = 1  # K
+    grace_factor: float = 0.5  # gamma
+    #: A push may be merged into a fragment at most this many versions ahead of its base.
+    staleness: int = 1
+    #: Weight of the newest sample in the running means (step, quorum and sync times).
+    ema_alpha: float = 0.2
+
+    def __post_init__(self) -> None:
+        for name in ("fragments", "sync_every", "quorum"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.overlap < 0 or self.staleness < 0:
+            raise ValueError("overlap and staleness must not be negative")
+        if not (math.isfinite(self.grace_factor) and self.grace_factor >= 0):
+            raise ValueError(f"grace_factor must be finite and non-negative, got {self.grace_factor}")
+        if not 0 < self.ema_alpha <= 1:
+            raise ValueError(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
+
+
+class RoundState(Enum):
+    OPEN = "open"  # requests out, collecting pushes
+    MERGING = "merging"  # handed to the service's merge worker
+    MERGED = "merged"
+    ABANDONED = "abandoned"
+
+
+class Refusal(Enum):
+    """Why a push header is refused (the service maps these to wire error codes)."""
+
+    NOT_REQUESTED = "not-requested"  # unknown round, wrong fragment, not asked, or a second push
+    STALE_VERSION = "stale-version"  # base version too old, or newer than the syncer's
+
+
+@dataclass(frozen=True, slots=True)
+class Push:
+    """One learner's outer gradient for one fragment, as far as the schedule cares."""
+
+    learner: str
+    round_index: int
+    fragment: int
+    base_version: int
+    c_steps: int
+    c_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """Ask these learners for their outer gradient of `fragment` (FRAGMENT_REQUEST)."""
+
+    round_index: int
+    fragment: int
+    version: int
+    learners: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Merge:
+    """Merge these pushes (weights sum to 1, zero-weight pushes already left out) into
+    `fragment` at `version`; call `merged` when done."""
+
+    round_index: int
+    fragment: int
+    version: int
+    pushes: tuple[Push, ...]
+    weights: tuple[float, ...]
+    grace_waited_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """The service may free the buffer of this push: it will never be merged."""
+
+    push: Push
+    reason: str
+
+
+Action = Request | Merge | Release
+
+
+@dataclass(slots=True)
+class _Ema:
+    alpha: float
+    value: float | None = None
+
+    def add(self, sample: float) -> None:
+        self.value = sample if self.value is None else self.value + self.alpha * (sample - self.value)
+
+
+@dataclass(slots=True)
+class LearnerRecord:
+    """What the syncer knows of one learner, live or not."""
+
+    learner: str
+    live: bool
+    #: Steps in the clock's units: set to the clock on (re)join, +1 per step report.
+    progress: int
+    step_time: _Ema
+    steps: int = 0
+    tokens: int = 0
+    contributions: int = 0
+    #: Sum of this learner's merge weights over all merged rounds.
+    weight_total: float = 0.0
+
+    @property
+    def steps_per_s(self) -> float:
+        value = self.step_time.value
+        return 0.0 if not value else 1.0 / value
+
+
+@dataclass(slots=True)
+class _Round:
+    index: int
+    fragment: int
+    version: int
+    opened_at: float
+    requested: set[str]
+    state: RoundState = RoundState.OPEN
+    #: Completed, accepted pushes (only while the round is open: later ones are carried).
+    pushes: dict[str, Push] = field(default_factory=dict)
+    #: Learners whose push header was admitted and has not failed: one push per learner a round.
+    admitted: set[str] = field(default_factory=set)
+    #: Learners whose push was screened out: nothing more is expected of them this round.
+    refused: set[str] = field(default_factory=set)
+    quorum_at: float | None = None
+    deadline: float | None = None
+    merge_started_at: float | None = None
+
+
+class Rounds:
+    """The round state machine of one syncer. Not thread-safe: the event loop owns it."""
+
+    def __init__(self, config: RoundConfig, versions: list[int] | None = None, next_round: int = 0) -> None:
+        if versions is not None and len(versions) != config.fragments:
+            raise ValueError(f"{len(versions)} versions for {config.fragments} fragments")
+        self.config = config
+        self.versions: list[int] = list(versions) if versions is not None else [0] * config.fragments
+        self.clock = 0
+        self.next_round = next_round
+        self.learners: dict[str, LearnerRecord] = {}
+        self.norm_history: deque[float] = deque(maxlen=NORM_HISTORY)
+        self.rounds_merged = 0
+        self.rounds_abandoned = 0
+        self.quorum_sizes: Counter[int] = Counter()
+        self.grace_waited_s = 0.0
+        self.rejected: Counter[str] = Counter()
+        self._open: dict[int, _Round] = {}  # by round index: OPEN or MERGING
+        #: Rounds that ended, newest last, kept a while to admit their late pushes.
+        self._closed: OrderedDict[int, _Round] = OrderedDict()
+        self._carried: dict[int, dict[str, Push]] = {}  # by fragment: late pushes, by learner
+        self._step_time = _Ema(config.ema_alpha)
+        self._quorum_time = _Ema(config.ema_alpha)
+        self._sync_time = _Ema(config.ema_alpha)
+
+    # ------------------------------------------------------------------ roster
+
+    def join(self, learner: str, now: float) -> list[Action]:
+        """A learner is live (connected and healed): it counts for the clock from here, and is
+        asked for every fragment whose round is still collecting."""
+        record = self.learners.get(learner)
+        if record is None:
+            record = LearnerRecord(learner, True, self.clock, _Ema(self.config.ema_alpha))
+            self.learners[learner] = record
+        record.live = True
+        # Its earlier progress means nothing after a restart; starting at the clock neither holds
+        # the clock back nor lets the newcomer run it ahead.
+        record.progress = self.clock
+        actions: list[Action] = []
+        for rnd in self._open.values():
+            if rnd.state is RoundState.OPEN and learner not in rnd.pushes:
+                rnd.requested.add(learner)
+                actions.append(Request(rnd.index, rnd.fragment, rnd.version, (learner,)))
+        return actions
+
+    def leave(self, learner: str, now: float) -> list[Action]:
+        """A learner is gone: it is simply absent from the rounds (its completed pushes stay)."""
+        record = self.learners.get(learner)
+        if record is not None:
+            record.live = False
+        for rnd in self._open.values():
+            rnd.requested.discard(learner)
+            if learner not in rnd.pushes:
+                rnd.admitted.discard(learner)
+        return self.tick(now)
+
+    def step(self, learner: str, tokens: int, step_time_s: float, now: float) -> list[Action]:
+        """One inner step of a live learner (STEP_REPORT)."""
+        record = self.learners.get(learner)
+        if record is None or not record.live:
+            return []
+        record.progress += 1
+        record.steps += 1
+        record.tokens += tokens
+        if math.isfinite(step_time_s) and step_time_s > 0:
+            record.step_time.add(step_time_s)
+            self._step_time.add(step_time_s)
+        return self.tick(now)
+
+    def live(self) -> list[str]:
+        return [r.learner for r in self.learners.values() if r.live]
+
+    # ------------------------------------------------------------------ pushes
+
+    def admit(self, push: Push, now: float) -> Refusal | None:
+        """A push header arrived: None to receive its bytes, or why it is refused."""
+        rnd = self._open.get(push.round_index) or self._closed.get(push.round_index)
+        if (
+            rnd is None
+            or rnd.fragment != push.fragment
+            or push.learner not in rnd.requested
+            or push.learner in rnd.admitted
+        ):
+            return self._refuse(Refusal.NOT_REQUESTED)
+        current = self.versions[push.fragment]
+        if push.base_version > current or push.base_version + self.config.staleness < current:
+            return self._refuse(Refusal.STALE_VERSION)
+        rnd.admitted.add(push.learner)
+        return None
+
+    def push_complete(self, push: Push, verdict: Verdict, now: float) -> list[Action]:
+        """The whole push arrived and was screened. Accepted ones join their round, or the next
+        round of their fragment when theirs is already merging."""
+        rnd = self._open.get(push.round_index)
+        if not verdict.accepted:
+            self.rejected[verdict.reason] += 1
+            if rnd is not None:
+                rnd.refused.add(push.learner)
+            return [Release(push, verdict.reason), *self.tick(now)]
+        self.norm_history.append(verdict.norm)
+        if rnd is not None and rnd.state is RoundState.OPEN:
+            rnd.pushes[push.learner] = push
+        else:
+            carried = self._carried.setdefault(push.fragment, {})
+            previous = carried.get(push.learner)
+            carried[push.learner] = push
+            if previous is not None:
+                return [Release(previous, "superseded by a later push"), *self.tick(now)]
+        return self.tick(now)
+
+    def push_failed(self, push: Push, now: float) -> list[Action]:
+        """An admitted push never completed (transfer failed, learner gone): it may push again."""
+        rnd = self._open.get(push.round_index) or self._closed.get(push.round_index)
+        if rnd is not None:
+            rnd.admitted.discard(push.learner)
+        return self.tick(now)
+
+    # ------------------------------------------------------------------ time
+
+    def tick(self, now: float) -> list[Action]:
+        """Advance the clock, open the rounds it made due, and start the merges that are ready."""
+        actions: list[Action] = []
+        live = [r for r in self.learners.values() if r.live]
+        self.clock = quorum_clock((r.progress for r in live), self.config.quorum, self.clock)
+        busy = {rnd.fragment for rnd in self._open.values()}
+        for opening in open_rounds(
+            self.clock, self.next_round, busy, self.config.sync_every, self.config.fragments
+        ):
+            self.next_round = opening.round_index + 1
+            if opening.skipped:
+                continue
+            rnd = _Round(
+                opening.round_index,
+                opening.fragment,
+                self.versions[opening.fragment],
+                now,
+                {r.learner for r in live},
+            )
+            self._open[rnd.index] = rnd
+            actions.append(Request(rnd.index, rnd.fragment, rnd.version, tuple(sorted(rnd.requested))))
+        for rnd in sorted(self._open.values(), key=lambda r: r.index):
+            if rnd.state is RoundState.OPEN:
+                actions.extend(self._maybe_merge(rnd, now))
+        return actions
+
+    def next_deadline(self) -> float | None:
+        """When tick must run next even if nothing arrives (the earliest grace deadline)."""
+        deadlines = [
+            r.deadline for r in self._open.values() if r.state is RoundState.OPEN and r.deadline is not None
+        ]
+        return min(deadlines, default=None)
+
+    def merged(self, round_index: int, now: float) -> int:
+        """The service finished a Merge: the fragment's new version."""
+        rnd = self._open.get(round_index)
+        if rnd is None or rnd.state is not RoundState.MERGING or rnd.merge_started_at is None:
+            raise RuntimeError(f"round {round_index} was not merging")
+        self._sync_time.add(now - rnd.merge_started_at)
+        self._close(rnd, RoundState.MERGED)
+        self.versions[rnd.fragment] += 1
+        self.rounds_merged += 1
+        return self.versions[rnd.fragment]
+
+    def merge_failed(self, round_index: int, now: float) -> None:
+        """The service could not merge (its own error): the round is dropped, the version kept."""
+        rnd = self._open.get(round_index)
+        if rnd is None or rnd.state is not RoundState.MERGING:
+            raise RuntimeError(f"round {round_index} was not merging")
+        self._close(rnd, RoundState.ABANDONED)
+        self.rounds_abandoned += 1
+
+    # ------------------------------------------------------------------ internals
+
+    def _refuse(self, why: Refusal) -> Refusal:
+        self.rejected[why.value] += 1
+        return why
+
+    def _close(self, rnd: _Round, state: RoundState) -> None:
+        del self._open[rnd.index]
+        rnd.state = state
+        self._closed[rnd.index] = rnd
+        while len(self._closed) > CLOSED_ROUNDS_PER_FRAGMENT * self.config.fragments:
+            self._closed.popitem(last=False)
+
+    def _grace_s(self, rnd: _Round) -> float:
+        """grace = clamp(gamma * (tau * step - (quorum + sync)), 0, step), from running means;
+        step is the mean step time of the learners asked in this round."""
+        times = [t for learner in rnd.requested if (t := self.learners[learner].step_time.value) is not None]
+        step = sum(times) / len(times) if times else self._step_time.value
+        if step is None:
+            return 0.0
+        slack = self.config.overlap * step - (
+            (self._quorum_time.value or 0.0) + (self._sync_time.value or 0.0)
+        )
+        return min(max(self.config.grace_factor * slack, 0.0), step)
+
+    def _take_carried(self, rnd: _Round) -> tuple[dict[str, Push], list[Action]]:
+        """Late pushes of this fragment that may join the round, and releases for the rest."""
+        carried = self._carried.get(rnd.fragment, {})
+        joining: dict[str, Push] = {}
+        actions: list[Action] = []
+        for learner, push in list(carried.items()):
+            fresh = rnd.pushes.get(learner)
+            if push.base_version + self.config.staleness < rnd.version:
+                del carried[learner]
+                self.rejected[Refusal.STALE_VERSION.value] += 1
+                actions.append(Release(push, "stale"))
+            elif fresh is not None and fresh.base_version == push.base_version:
+                # The fresh push covers every step of the late one: merging both counts them twice.
+                del carried[learner]
+                actions.append(Release(push, "superseded by a later push"))
+            elif fresh is None:
+                joining[learner] = push
+        return joining, actions
+
+    def _maybe_merge(self, rnd: _Round, now: float) -> list[Action]:
+        joining, actions = self._take_carried(rnd)
+        pushes = {**joining, **rnd.pushes}
+        if len(pushes) < self.config.quorum:
+            return actions
+        if rnd.quorum_at is None:
+            rnd.quorum_at = now
+            self._quorum_time.add(now - rnd.opened_at)
+            rnd.deadline = now + self._grace_s(rnd)
+        # Still expected: asked, live (leave() forgets the others) and not screened out. Every
+        # admitted push in flight is from an asked learner.
+        waiting = rnd.requested - set(pushes) - rnd.refused
+        if waiting and rnd.deadline is not None and now < rnd.deadline:
+            return actions
+        carried = self._carried.get(rnd.fragment, {})
+        for learner in joining:
+            del carried[learner]
+        return [*actions, *self._start_merge(rnd, now, sorted(pushes.values(), key=lambda p: p.learner))]
+
+    def _start_merge(self, rnd: _Round, now: float, pushes: list[Push]) -> list[Action]:
+        try:
+            weights = merge_weights([p.c_tokens for p in pushes], [p.c_steps for p in pushes])
+        except ValueError:
+            # Nobody trained since their anchor: nothing to merge, the fragment keeps its version.
+            self._close(rnd, RoundState.ABANDONED)
+            self.rounds_abandoned += 1
+            return [Release(p, "no steps to merge") for p in pushes]
+        kept = [(p, w) for p, w in zip(pushes, weights, strict=True) if w > 0]
+        actions: list[Action] = [
+            Release(p, "zero weight") for p, w in zip(pushes, weights, strict=True) if w == 0
+        ]
+        rnd.state = RoundState.MERGING
+        rnd.merge_started_at = now
+        waited = 0.0 if rnd.quorum_at is None else now - rnd.quorum_at
+        self.grace_waited_s += waited
+        self.quorum_sizes[len(kept)] += 1
+        for push, weight in kept:
+            record = self.learners[push.learner]
+            record.contributions += 1
+            record.weight_total += weight
+        merge = Merge(
+            rnd.index, rnd.fragment, rnd.version, tuple(p for p, _ in kept), tuple(w for _, w in kept), waited
+        )
+        return [*actions, merge]

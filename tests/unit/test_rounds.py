@@ -1,0 +1,343 @@
+"""The syncer's round state machine with scripted inputs and explicit `now` values: schedule,
+quorum, the adaptive grace window, admission, late pushes, rejection, weights and versions. Time
+only moves because a test passes a larger `now`; nothing sleeps."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dilocod.outer import merge_weights
+from dilocod.outer.guard import ACCEPTED, NON_FINITE, Verdict
+from dilocod.syncer.rounds import Merge, Push, Refusal, Release, Request, RoundConfig, Rounds
+
+OK = Verdict(True, ACCEPTED, 1.0, None)
+BAD = Verdict(False, NON_FINITE, math.nan, None)
+
+
+def of(kind: type, actions: list) -> list:
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def push_for(
+    request: Request, learner: str, *, steps: int = 4, tokens: int = 400, base: int | None = None
+) -> Push:
+    version = request.version if base is None else base
+    return Push(learner, request.round_index, request.fragment, version, steps, tokens)
+
+
+def started(config: RoundConfig, learners: tuple[str, ...], now: float = 0.0) -> Rounds:
+    rounds = Rounds(config)
+    for learner in learners:
+        assert rounds.join(learner, now) == []
+    return rounds
+
+
+def first_round(rounds: Rounds, now: float = 0.0, step_time_s: float = 1.0) -> Request:
+    """Every live learner steps once; exactly one round opens (asking all of them)."""
+    actions = []
+    for learner in rounds.live():
+        actions += rounds.step(learner, 10, step_time_s, now)
+    (request,) = of(Request, actions)
+    return request
+
+
+def test_config_is_checked() -> None:
+    with pytest.raises(ValueError, match="quorum"):
+        RoundConfig(quorum=0)
+    with pytest.raises(ValueError, match="grace_factor"):
+        RoundConfig(grace_factor=math.inf)
+    with pytest.raises(ValueError, match="versions"):
+        Rounds(RoundConfig(fragments=4), versions=[0, 0])
+
+
+def test_one_round_per_step_cycles_through_the_fragments() -> None:
+    """P = H: the K-th fastest learner's every step opens the next fragment's round."""
+    rounds = started(RoundConfig(fragments=4, sync_every=4), ("a",))
+    opened = []
+    for step in range(6):
+        requests = of(Request, rounds.step("a", 100, 1.0, now=float(step)))
+        # Rounds whose fragment is still open are skipped: 0..3 open, then 4 (fragment 0) waits.
+        opened += [(r.round_index, r.fragment, r.learners) for r in requests]
+    assert opened == [(0, 0, ("a",)), (1, 1, ("a",)), (2, 2, ("a",)), (3, 3, ("a",))]
+    assert rounds.next_round == 6
+
+
+def test_rounds_every_h_over_p_steps() -> None:
+    rounds = started(RoundConfig(fragments=2, sync_every=6), ("a",))
+    due = [bool(of(Request, rounds.step("a", 1, 1.0, now=float(s)))) for s in range(9)]
+    # Round r is due at clock 3 (r + 1): rounds 0 and 1 open at clock 3 and 6; round 2, due at
+    # clock 9, syncs fragment 0, whose round 0 is still open, so it is skipped.
+    assert due == [False, False, True, False, False, True, False, False, False]
+
+
+def test_clock_is_the_kth_fastest_live_learner() -> None:
+    rounds = started(RoundConfig(fragments=4, sync_every=4, quorum=2), ("fast", "slow"))
+    for step in range(3):
+        assert of(Request, rounds.step("fast", 1, 0.5, now=float(step))) == []
+    assert rounds.clock == 0  # the second fastest has not stepped
+    requests = of(Request, rounds.step("slow", 1, 2.0, now=3.0))
+    assert [r.round_index for r in requests] == [0] and rounds.clock == 1
+    # The fast one leaving lowers the K-th count, but the clock never goes back.
+    rounds.leave("fast", now=4.0)
+    assert rounds.clock == 1
+
+
+def test_quorum_then_grace_then_merge_with_token_weights() -> None:
+    """K = 1 of three learners: the first push reaches quorum, the grace window (from the running
+    means) lets the others join until its deadline, then the round merges what it has."""
+    config = RoundConfig(fragments=4, sync_every=4, quorum=1, overlap=2, grace_factor=0.5)
+    rounds = started(config, ("a", "b", "c"))
+    request = first_round(rounds, now=10.0)  # every learner reports a 1 s step
+    assert request.learners == ("a", "b", "c")
+    pa = push_for(request, "a", steps=2, tokens=200)
+    pb = push_for(request, "b", steps=4, tokens=800)
+    assert rounds.admit(pa, now=10.5) is None and rounds.admit(pb, now=10.5) is None
+    assert of(Merge, rounds.push_complete(pa, OK, now=11.0)) == []  # quorum at 11.0
+    # grace = clamp(0.5 * (2 * 1.0 - (quorum time 1.0 + sync time 0)), 0, 1.0) = 0.5 s
+    assert rounds.next_deadline() == pytest.approx(11.5)
+    assert of(Merge, rounds.push_complete(pb, OK, now=11.2)) == []  # c is still expected
+    (merge,) = of(Merge, rounds.tick(now=11.5))
+    assert merge.pushes == (pa, pb)
+    assert merge.weights == pytest.approx(merge_weights([200, 800], [2, 4]))  # tokens * tokens/steps
+    assert merge.grace_waited_s == pytest.approx(0.5)
+    assert rounds.merged(merge.round_index, now=11.7) == 1
+    assert rounds.versions[request.fragment] == 1
+    assert rounds.quorum_sizes == {2: 1} and rounds.rounds_merged == 1
+    assert rounds.learners["b"].contributions == 1 and rounds.learners["c"].contributions == 0
+
+
+def test_merge_at_once_when_every_live_learner_has_pushed() -> None:
+    rounds = started(RoundConfig(fragments=4, sync_every=4, quorum=1), ("a", "b"))
+    request = first_round(rounds)
+    pushes = [push_for(request, x) for x in ("a", "b")]
+    for push in pushes:
+        assert rounds.admit(push, now=0.1) is None
+    assert of(Merge, rounds.push_complete(pushes[0], OK, now=0.2)) == []
+    (merge,) = of(Merge, rounds.push_complete(pushes[1], OK, now=0.3))
+    assert merge.pushes == tuple(pushes) and merge.grace_waited_s == pytest.approx(0.1)
+
+
+def test_a_vanished_learner_is_simply_absent() -> None:
+    rounds = started(RoundConfig(fragments=4, sync_every=4), ("a", "b"))
+    request = first_round(rounds)
+    pa, pb = push_for(request, "a"), push_for(request, "b")
+    rounds.admit(pa, now=0.1)
+    rounds.admit(pb, now=0.1)
+    rounds.push_complete(pa, OK, now=0.2)
+    (merge,) = of(Merge, rounds.leave("b", now=0.3))  # b's push will never come
+    assert merge.pushes == (pa,)
+    assert rounds.push_failed(pb, now=0.4) == []
+
+
+def test_rounds_wait_without_quorum_and_a_joiner_is_asked() -> None:
+    rounds = started(RoundConfig(fragments=4, sync_every=4, quorum=2), ("a", "b"))
+    request = first_round(rounds)
+    rounds.leave("b", now=1.0)
+    pa = push_for(request, "a")
+    rounds.admit(pa, now=1.0)
+    assert of(Merge, rounds.push_complete(pa, OK, now=2.0)) == []  # one push, quorum two
+    assert of(Merge, rounds.tick(now=100.0)) == []
+    (ask,) = rounds.join("c", now=101.0)
+    assert ask == Request(request.round_index, request.fragment, request.version, ("c",))
+    pc = push_for(ask, "c")
+    assert rounds.admit(pc, now=101.5) is None
+    (merge,) = of(Merge, rounds.push_complete(pc, OK, now=102.0))
+    assert {p.learner for p in merge.pushes} == {"a", "c"}
+
+
+def test_admission_refuses_what_was_not_asked() -> None:
+    rounds = started(RoundConfig(fragments=4, sync_every=4), ("a",))
+    request = first_round(rounds)
+    good = push_for(request, "a")
+    assert rounds.admit(Push("a", 99, 0, 0, 1, 1), now=0.1) is Refusal.NOT_REQUESTED  # no such round
+    assert rounds.admit(Push("a", request.round_index, 3, 0, 1, 1), now=0.1) is Refusal.NOT_REQUESTED
+    assert rounds.admit(push_for(request, "stranger"), now=0.1) is Refusal.NOT_REQUESTED
+    assert rounds.admit(push_for(request, "a", base=1), now=0.1) is Refusal.STALE_VERSION  # future
+    assert rounds.admit(good, now=0.1) is None
+    assert rounds.admit(good, now=0.2) is Refusal.NOT_REQUESTED  # a second push for the round
+    assert rounds.rejected == {"not-requested": 4, "stale-version": 1}
+
+
+def test_a_failed_transfer_may_be_pushed_again() -> None:
+    rounds = started(RoundConfig(fragments=4, sync_every=4, quorum=1), ("a",))
+    request = first_round(rounds)
+    push = push_for(request, "a")
+    assert rounds.admit(push, now=0.1) is None
+    rounds.push_failed(push, now=0.2)
+    assert rounds.admit(push, now=0.3) is None
+
+
+def test_a_bad_gradient_is_counted_released_and_never_merged() -> None:
+    rounds = started(RoundConfig(fragments=4, sync_every=4, quorum=1), ("a", "b"))
+    request = first_round(rounds)
+    pa, pb = push_for(request, "a"), push_for(request, "b")
+    rounds.admit(pa, now=0.1)
+    rounds.admit(pb, now=0.1)
+    actions = rounds.push_complete(pa, BAD, now=0.2)
+    assert of(Release, actions) == [Release(pa, NON_FINITE)] and of(Merge, actions) == []
+    (merge,) = of(Merge, rounds.push_complete(pb, OK, now=0.3))
+    assert merge.pushes == (pb,)
+    assert rounds.rejected[NON_FINITE] == 1
+    assert list(rounds.norm_history) == [1.0]  # only accepted norms feed the guard
+
+
+def test_late_push_joins_the_next_round_of_its_fragment() -> None:
+    """A push that completes after its round began merging is carried, with its weight, into the
+    next round of that fragment, unless it has grown more than one version stale."""
+    config = RoundConfig(fragments=2, sync_every=2, quorum=1)
+    rounds = started(config, ("a", "b"))
+    r0 = first_round(rounds)
+    pa, pb = push_for(r0, "a"), push_for(r0, "b", steps=3, tokens=300)
+    rounds.admit(pa, now=0.1)
+    rounds.admit(pb, now=0.1)
+    rounds.push_complete(pa, OK, now=0.2)
+    (m0,) = of(Merge, rounds.tick(now=5.0))  # grace over: b is late
+    assert m0.pushes == (pa,)
+    assert of(Merge, rounds.push_complete(pb, OK, now=5.1)) == []
+    assert rounds.merged(m0.round_index, now=5.2) == 1
+    # Two more clock ticks open round 1 (fragment 1), then round 2 (fragment 0, now at version 1).
+    actions = []
+    for t in (6.0, 7.0):
+        actions += rounds.step("a", 10, 1.0, now=t) + rounds.step("b", 10, 1.0, now=t)
+    (r2,) = [r for r in of(Request, actions) if r.fragment == 0]
+    assert r2.version == 1 and r2.learners == ("a", "b")
+    fresh = Push("a", r2.round_index, 0, 1, 2, 200)
+    assert rounds.admit(fresh, now=7.1) is None
+    (m2,) = of(Merge, rounds.push_complete(fresh, OK, now=7.2))
+    assert {p.learner: p for p in m2.pushes} == {"a": fresh, "b": pb}
+    assert m2.weights == pytest.approx(merge_weights([200, 300], [2, 3]))
+    # Merged once only, even when that merge fails and the fragment's next round is at the same
+    # version (so b's late push would not yet be too stale to count again).
+    rounds.merge_failed(m2.round_index, now=7.3)
+    actions = []
+    for t in (8.0, 9.0):
+        actions += rounds.step("a", 10, 1.0, now=t) + rounds.step("b", 10, 1.0, now=t)
+    (r4,) = [r for r in of(Request, actions) if r.fragment == 0]
+    assert r4.version == 1
+    again = Push("a", r4.round_index, 0, 1, 2, 200)
+    rounds.admit(again, now=9.1)
+    rounds.push_complete(again, OK, now=9.2)
+    (m4,) = of(Merge, rounds.tick(now=20.0))
+    assert m4.pushes == (again,)
+
+
+def test_a_carried_push_too_stale_is_released() -> None:
+    config = RoundConfig(fragments=1, sync_every=1, quorum=1, staleness=1)
+    rounds = started(config, ("a", "b"))
+    r0 = first_round(rounds)
+    late = push_for(r0, "b")
+    rounds.admit(push_for(r0, "a"), now=0.0)
+    rounds.admit(late, now=0.0)
+    rounds.push_complete(push_for(r0, "a"), OK, now=0.1)
+    (m0,) = of(Merge, rounds.tick(now=9.0))
+    rounds.merged(m0.round_index, now=9.1)  # version 1
+    rounds.versions[0] = 2  # as if another round merged meanwhile: base 0 is now 2 behind
+    actions = rounds.push_complete(late, OK, now=9.2)
+    actions += rounds.step("a", 10, 1.0, now=10.0) + rounds.step("b", 10, 1.0, now=10.0)
+    assert Release(late, "stale") in actions
+    assert all(late not in m.pushes for m in of(Merge, actions))
+
+
+def test_zero_step_pushes_carry_no_weight() -> None:
+    rounds = started(RoundConfig(fragments=4, sync_every=4, quorum=1), ("a", "b"))
+    request = first_round(rounds)
+    idle, busy = push_for(request, "a", steps=0, tokens=0), push_for(request, "b")
+    rounds.admit(idle, now=0.1)
+    rounds.admit(busy, now=0.1)
+    rounds.push_complete(idle, OK, now=0.2)
+    actions = rounds.push_complete(busy, OK, now=0.3)
+    assert Release(idle, "zero weight") in actions
+    (merge,) = of(Merge, actions)
+    assert merge.pushes == (busy,) and merge.weights == (1.0,)
+
+
+def test_nothing_trained_abandons_the_round_and_keeps_the_version() -> None:
+    rounds = started(RoundConfig(fragments=4, sync_every=4, quorum=1), ("a",))
+    request = first_round(rounds)
+    idle = push_for(request, "a", steps=0, tokens=0)
+    rounds.admit(idle, now=0.1)
+    actions = rounds.push_complete(idle, OK, now=0.2)
+    assert of(Merge, actions) == [] and Release(idle, "no steps to merge") in actions
+    assert rounds.versions == [0, 0, 0, 0] and rounds.rounds_abandoned == 1
+
+
+def test_merge_failure_keeps_the_version() -> None:
+    rounds = started(RoundConfig(fragments=4, sync_every=4, quorum=1), ("a",))
+    request = first_round(rounds)
+    push = push_for(request, "a")
+    rounds.admit(push, now=0.1)
+    (merge,) = of(Merge, rounds.push_complete(push, OK, now=0.2))
+    rounds.merge_failed(merge.round_index, now=0.3)
+    assert rounds.versions[request.fragment] == 0
+    with pytest.raises(RuntimeError):
+        rounds.merged(merge.round_index, now=0.4)
+
+
+EVENTS = st.lists(
+    st.tuples(
+        st.sampled_from(
+            ["step", "join", "leave", "push", "complete", "fail", "tick", "merged", "merge-failed"]
+        ),
+        st.sampled_from(["a", "b", "c"]),
+        st.booleans(),
+    ),
+    max_size=120,
+)
+
+
+@given(events=EVENTS, quorum=st.integers(1, 3), fragments=st.integers(1, 4))
+@settings(max_examples=150, deadline=None)
+def test_invariants_under_any_event_order(
+    events: list[tuple[str, str, bool]], quorum: int, fragments: int
+) -> None:
+    """Versions never fall, a push is merged at most once, every merge's weights sum to one and
+    hold only admitted pushes, and the clock never goes back."""
+    rounds = Rounds(RoundConfig(fragments=fragments, sync_every=fragments, quorum=quorum))
+    now = 0.0
+    asked: list[Request] = []
+    admitted: list[Push] = []
+    merging: list[Merge] = []
+    merged_pushes: list[Push] = []
+    for kind, learner, flag in events:
+        now += 0.25
+        versions, clock = list(rounds.versions), rounds.clock
+        actions: list = []
+        if kind == "step":
+            actions = rounds.step(learner, 10 if flag else 0, 1.0, now)
+        elif kind == "join":
+            actions = rounds.join(learner, now)
+        elif kind == "leave":
+            actions = rounds.leave(learner, now)
+        elif kind == "push" and asked:
+            request = asked[-1 if flag else 0]
+            push = Push(learner, request.round_index, request.fragment, request.version, 1, 10)
+            if rounds.admit(push, now) is None:
+                admitted.append(push)
+        elif kind in ("complete", "fail") and admitted:
+            push = admitted.pop(0 if flag else -1)
+            if kind == "complete":
+                actions = rounds.push_complete(push, OK if flag or learner != "c" else BAD, now)
+            else:
+                actions = rounds.push_failed(push, now)
+        elif kind == "merged" and merging:
+            rounds.merged(merging.pop(0).round_index, now)
+        elif kind == "merge-failed" and merging:
+            # The merge's pushes were consumed: a failed merge must not bring them back.
+            rounds.merge_failed(merging.pop(0).round_index, now)
+        else:
+            actions = rounds.tick(now)
+        asked += of(Request, actions)
+        for merge in of(Merge, actions):
+            assert math.isclose(sum(merge.weights), 1.0)
+            assert all(w > 0 for w in merge.weights)
+            assert len(merge.pushes) >= quorum
+            for push in merge.pushes:
+                assert push not in merged_pushes, "a push merged twice"
+                merged_pushes.append(push)
+            merging.append(merge)
+        assert all(a >= b for a, b in zip(rounds.versions, versions, strict=True))
+        assert rounds.clock >= clock

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dilocod.outer._blocks import BLOCK_NUMEL
 from dilocod.outer.merge import squared_norm
 
 ACCEPTED = "accepted"
@@ -45,7 +44,7 @@ def _norm(delta: Sequence[Tensor]) -> float:
     for t in delta:
         if t.numel() == 0:
             continue
-        sq = squared_norm(t.detach().to(torch.float32), BLOCK_NUMEL)
+        sq = squared_norm(t.detach().to(torch.float32))
         if not math.isfinite(sq) and bool(torch.isfinite(t).all()):
             # float32 squares overflowed (|x| above about 1e19): redo this tensor in float64.
             sq = float(torch.linalg.vector_norm(t.detach(), dtype=torch.float64)) ** 2

@@ -102,7 +102,7 @@ def measure(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     moved = {
         "torch_add": 3 * frag_bytes,
         "fused": (2 * m + 6) * frag_bytes,  # u' written once and read back
-        "composed": (2 * m + 9) * frag_bytes,  # plus Δ written, read, and scaled in place
+        "composed": (2 * m + 8) * frag_bytes,  # Δ written, scaled in place, read by the step
         "nesterov": 5 * frag_bytes,
         "sgd": 6 * frag_bytes,  # plus SGD's temporary gradient, written once
     }

@@ -4,7 +4,7 @@ outer_step_(...) equals nesterov_step_(params, rda_merge(...), momentum, lr, mu)
 bit for bit, while moving less memory: the merged Δ of a block goes straight from the cache into
 the Nesterov step instead of being written out and read back. Per RDA tensor it reads every
 contribution twice (norms, then u') and writes u' once into a scratch buffer, then streams u',
-θ and b once: (2M + 6) x the tensor's bytes, against (2M + 9) for the two calls one after the
+θ and b once: (2M + 6) x the tensor's bytes, against (2M + 8) for the two calls one after the
 other. Mean-merged tensors (embeddings, `--merge mean`) and single contributions take one pass:
 (M + 4) x. bench/outer_merge.py measures both against the memory bandwidth.
 

@@ -1,0 +1,277 @@
+"""The syncer's global model: every fragment's parameters and Nesterov buffers in float32, laid out
+exactly as the fragment travels on the wire, and the read-only snapshots that updates are sent from.
+
+Layout. Fragment p's tensors are packed by wire.manifest.pack_manifest into one bytearray (the
+"master"), with torch views onto it; the momentum buffer has the same layout. A push of fragment p
+must carry exactly that manifest (float32 outer gradients), so its bytes are read in place.
+
+Snapshots. Updates go out from a copy of the master made right after each merge, with its chunk
+checksums computed in the same worker (hashed once, for every learner it is sent to). A snapshot
+is lent to every send that uses it; the next merge of that fragment writes into a buffer nobody is
+reading, so a slow learner never sees a half-merged fragment. Buffers are reused: a fresh 100 MB
+allocation costs about six memcpys in page faults.
+
+Threads. `merge` and `screen` run in the syncer's one merge worker thread, one at a time; they only
+touch the fragment they are given and buffers the event loop handed them. Everything else runs on
+the event loop. Must not import networking or logging.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from dilocod.outer import FragmentPlan, embedding_mask, outer_step_
+from dilocod.outer.guard import Verdict, check_outer_gradient
+from dilocod.wire.codecs import chunk_checksums
+from dilocod.wire.manifest import TensorEntry, pack_manifest
+
+#: torch dtype -> wire dtype name (wire.manifest.DTYPE_SIZES).
+WIRE_DTYPES: dict[torch.dtype, str] = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float64: "float64",
+}
+
+
+class ModelMismatch(ValueError):
+    """A learner's (or a checkpoint's) parameters differ from the syncer's plan; names the first."""
+
+
+@dataclass(frozen=True, slots=True)
+class ParameterSpec:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """One published version of a fragment, as sent: bytes and their chunk checksums."""
+
+    version: int
+    buffer: bytearray
+    checksums: list[int]
+    users: int = 0
+
+
+@dataclass(slots=True)
+class FragmentStore:
+    index: int
+    manifest: tuple[TensorEntry, ...]
+    raw_bytes: int
+    master: bytearray
+    momentum: bytearray
+    params: list[Tensor]
+    momentum_views: list[Tensor]
+    is_embedding: list[bool]
+    current: Snapshot | None = None
+    #: Snapshot buffers nobody reads any more, kept for the next merge of this fragment.
+    spare: list[bytearray] = field(default_factory=list)
+    #: Retired snapshots still lent to sends.
+    retired: list[Snapshot] = field(default_factory=list)
+    scratch: list[Tensor] | None = None
+
+
+def _views(buffer: bytearray | memoryview, manifest: Sequence[TensorEntry]) -> list[Tensor]:
+    """float32 views of the manifest's tensors onto buffer, sharing its memory."""
+    raw = torch.frombuffer(buffer, dtype=torch.uint8) if len(buffer) else torch.empty(0, dtype=torch.uint8)
+    return [raw[e.offset : e.offset + e.nbytes].view(torch.float32).view(e.shape) for e in manifest]
+
+
+class GlobalModel:
+    """Θ, b and the snapshots of every fragment. Not thread-safe beyond what the docstring says."""
+
+    def __init__(
+        self,
+        plan: FragmentPlan,
+        specs: Sequence[ParameterSpec],
+        *,
+        chunk_bytes: int,
+        embedding_pattern: str,
+    ) -> None:
+        self.plan = plan
+        self.specs = {s.name: s for s in specs}
+        self.order = [s.name for s in specs]
+        self.chunk_bytes = chunk_bytes
+        self.fragments: list[FragmentStore] = []
+        for fragment in plan.fragments:
+            manifest, raw_bytes = pack_manifest([(n, "float32", self.specs[n].shape) for n in fragment.names])
+            master, momentum = bytearray(raw_bytes), bytearray(raw_bytes)
+            self.fragments.append(
+                FragmentStore(
+                    fragment.index,
+                    tuple(manifest),
+                    raw_bytes,
+                    master,
+                    momentum,
+                    _views(master, manifest),
+                    _views(momentum, manifest),
+                    embedding_mask(fragment.names, embedding_pattern),
+                )
+            )
+
+    # ------------------------------------------------------------------ state
+
+    def load(self, params: Mapping[str, Tensor], momentum: Mapping[str, Tensor] | None = None) -> None:
+        """Fill Θ (and b, zeros when not given) from tensors keyed by parameter name."""
+        for name in self.order:
+            if name not in params:
+                raise ModelMismatch(f"parameter {name!r} is missing")
+            shape = tuple(params[name].shape)
+            if shape != self.specs[name].shape:
+                raise ModelMismatch(
+                    f"parameter {name!r} has shape {shape}, the plan has {self.specs[name].shape}"
+                )
+        extra = sorted(set(params) - set(self.specs))
+        if extra:
+            raise ModelMismatch(f"parameter {extra[0]!r} is not in the plan")
+        with torch.no_grad():
+            for store in self.fragments:
+                for entry, param, buf in zip(store.manifest, store.params, store.momentum_views, strict=True):
+                    param.copy_(params[entry.name])
+                    if momentum is None:
+                        buf.zero_()
+                    else:
+                        buf.copy_(momentum[entry.name])
+
+    def state(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """Θ and b keyed by parameter name: views onto the live buffers (run in the merge worker)."""
+        params: dict[str, Tensor] = {}
+        momentum: dict[str, Tensor] = {}
+        for store in self.fragments:
+            for entry, param, buf in zip(store.manifest, store.params, store.momentum_views, strict=True):
+                params[entry.name] = param
+                momentum[entry.name] = buf
+        return params, momentum
+
+    def publish_all(self, versions: Sequence[int]) -> None:
+        """Snapshot every fragment at its version (at start, before any learner is served)."""
+        for store, version in zip(self.fragments, versions, strict=True):
+            target = self.spare_buffer(store.index)
+            self.copy_out(store.index, target)
+            self.publish(store.index, Snapshot(version, target, chunk_checksums(target, self.chunk_bytes)))
+
+    # ------------------------------------------------------------------ snapshots (event loop)
+
+    def spare_buffer(self, index: int) -> bytearray:
+        store = self.fragments[index]
+        return store.spare.pop() if store.spare else bytearray(store.raw_bytes)
+
+    def publish(self, index: int, snapshot: Snapshot) -> None:
+        store = self.fragments[index]
+        old, store.current = store.current, snapshot
+        if old is not None:
+            self._retire(store, old)
+
+    def acquire(self, index: int) -> Snapshot:
+        """The fragment's current snapshot, lent to one send until release()."""
+        snapshot = self.fragments[index].current
+        if snapshot is None:
+            raise RuntimeError(f"fragment {index} has no snapshot yet")
+        snapshot.users += 1
+        return snapshot
+
+    def release(self, index: int, snapshot: Snapshot) -> None:
+        snapshot.users -= 1
+        store = self.fragments[index]
+        if snapshot in store.retired and snapshot.users == 0:
+            store.retired.remove(snapshot)
+            store.spare.append(snapshot.buffer)
+
+    def _retire(self, store: FragmentStore, snapshot: Snapshot) -> None:
+        if snapshot.users == 0:
+            store.spare.append(snapshot.buffer)
+        else:
+            store.retired.append(snapshot)
+
+    # ------------------------------------------------------------------ merge worker
+
+    def copy_out(self, index: int, target: bytearray) -> None:
+        store = self.fragments[index]
+        if store.raw_bytes:
+            torch.frombuffer(target, dtype=torch.uint8).copy_(
+                torch.frombuffer(store.master, dtype=torch.uint8)
+            )
+
+    def deltas(self, index: int, buffer: bytearray | memoryview) -> list[Tensor]:
+        """The float32 tensors of a push of fragment index, read in place."""
+        store = self.fragments[index]
+        if len(buffer) != store.raw_bytes:
+            raise ValueError(f"push of {len(buffer)} bytes for a fragment of {store.raw_bytes}")
+        return _views(buffer, store.manifest)
+
+    def screen(
+        self, index: int, buffer: bytearray | memoryview, history: Sequence[float], max_norm_ratio: float
+    ) -> Verdict:
+        return check_outer_gradient(self.deltas(index, buffer), history, max_norm_ratio=max_norm_ratio)
+
+    def merge(
+        self,
+        index: int,
+        pushes: Sequence[bytearray | memoryview],
+        weights: Sequence[float],
+        *,
+        lr: float,
+        mu: float,
+        merge: str,
+        target: bytearray,
+    ) -> Snapshot:
+        """Merge the pushes into Θ_p and step b_p and Θ_p in place, then copy Θ_p into target and
+        hash it: the snapshot to publish (its version is filled in by the caller)."""
+        store = self.fragments[index]
+        if store.scratch is None:
+            # Kept across rounds: RDA's u' per tensor (allocating 100 MB each round costs faults).
+            store.scratch = [torch.empty(e.shape, dtype=torch.float32) for e in store.manifest]
+        outer_step_(
+            store.params,
+            store.momentum_views,
+            [self.deltas(index, buffer) for buffer in pushes],
+            weights,
+            lr,
+            mu,
+            merge=merge,
+            is_embedding=store.is_embedding,
+            scratch=store.scratch,
+        )
+        self.copy_out(index, target)
+        return Snapshot(-1, target, chunk_checksums(target, self.chunk_bytes))
+
+
+def specs_of(model: torch.nn.Module) -> list[ParameterSpec]:
+    """(name, dtype, shape) of a module's parameters, tied Parameters once (outer.module_sizes)."""
+    seen: set[int] = set()
+    specs: list[ParameterSpec] = []
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if id(parameter) in seen:
+            continue
+        seen.add(id(parameter))
+        dtype = WIRE_DTYPES.get(parameter.dtype)
+        if dtype is None:
+            raise ModelMismatch(
+                f"parameter {name!r} has dtype {parameter.dtype}: only float parameters are trained"
+            )
+        specs.append(ParameterSpec(name, dtype, tuple(parameter.shape)))
+    return specs
+
+
+def first_mismatch(ours: Sequence[ParameterSpec], theirs: Sequence[ParameterSpec]) -> str | None:
+    """A sentence naming the first difference in names or shapes, or None. Dtypes may differ: the
+    syncer keeps float32 and a learner may train in bf16."""
+    mine = {s.name: s for s in ours}
+    other = {s.name: s for s in theirs}
+    for spec in ours:
+        peer = other.get(spec.name)
+        if peer is None:
+            return f"parameter {spec.name!r} is missing from the learner's model"
+        if peer.shape != spec.shape:
+            theirs_shape, ours_shape = list(peer.shape), list(spec.shape)
+            return f"parameter {spec.name!r} has shape {theirs_shape} at the learner, {ours_shape} here"
+    for spec in theirs:
+        if spec.name not in mine:
+            return f"the learner's parameter {spec.name!r} is not in the syncer's model"
+    return None

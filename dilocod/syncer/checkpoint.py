@@ -1,0 +1,542 @@
+"""The syncer's checkpoint store and the model export (DESIGN.md §3.5).
+
+Owns the on-disk layout under a state directory:
+
+    STATE_DIR/checkpoints/
+        ckpt-000000000042/         one complete checkpoint; the number is its sequence
+            model.safetensors      the global model Θ, keyed by parameter name
+            momentum.safetensors   the outer Nesterov buffers b, keyed by parameter name, float32
+            state.json             written last: versions, meta, parameter order, sequence, time,
+                                   and the size and SHA-256 of both tensor files
+        .tmp-ckpt-000000000043-…   a checkpoint being written (or left by a crash); never loaded
+
+A checkpoint is written into a temporary directory, every file fsync'd, the directory fsync'd,
+renamed to its final name and the parent fsync'd, so a directory with a final name is complete
+unless something outside dilocod damaged it; loading checks every recorded size and digest anyway
+and falls back to the previous checkpoint. The files need no dilocod to read: safetensors plus JSON.
+
+safetensors.torch's writer needs numpy, which dilocod does without, so tensor files are written
+here in the documented safetensors format (8-byte little-endian header length, JSON header padded
+to 8 bytes, tensors packed back to back), straight from each tensor's memory. They are read only
+through safetensors, never through pickle.
+
+Plain blocking file I/O; the daemon runs it in a worker thread. Must not import networking or
+logging: skipped checkpoints are returned to the caller, who logs them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import struct
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+CHECKPOINTS_DIR = "checkpoints"
+MODEL_FILE = "model.safetensors"
+MOMENTUM_FILE = "momentum.safetensors"
+STATE_FILE = "state.json"
+FORMAT = "dilocod-syncer-checkpoint"
+FORMAT_VERSION = 1
+DEFAULT_KEEP = 3
+
+_NAME_PREFIX = "ckpt-"
+_NAME_RE = re.compile(r"ckpt-(\d{12,})")
+_TEMP_PREFIX = ".tmp-"
+#: Read buffer for hashing while exporting: large enough that syscalls do not dominate.
+_COPY_CHUNK_BYTES = 8 * 1024 * 1024
+_WRITE_SLICE_BYTES = 64 * 1024 * 1024
+#: A safetensors file starts with its header's length as a little-endian u64.
+_HEADER_LENGTH = struct.Struct("<Q")
+#: Where tensor data starts relative to the header end; safetensors pads its header the same way.
+_HEADER_ALIGNMENT = 8
+
+#: torch dtype -> safetensors dtype, in the order of safetensors' own Dtype enum: its writer lays
+#: tensors out by that order descending, then by name; doing the same gives byte-identical files,
+#: and every tensor starts aligned to its element size.
+_DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.int16: "I16",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int32: "I32",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.int64: "I64",
+}
+_DTYPE_RANKS = {dtype: rank for rank, dtype in enumerate(_DTYPE_NAMES)}
+
+
+@dataclass
+class SyncerState:
+    """What a checkpoint holds. params and momentum have the same names and shapes; the order of
+    params is kept across a save and load (other code may rely on named_parameters order)."""
+
+    params: dict[str, torch.Tensor]
+    momentum: dict[str, torch.Tensor]
+    versions: list[int]
+    meta: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class SkippedCheckpoint:
+    """A checkpoint directory that was not used, and why (for the daemon to log)."""
+
+    path: Path
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedCheckpoint:
+    state: SyncerState
+    path: Path
+    sequence: int
+    saved_at_unix_s: float
+    #: Newer checkpoints that were damaged, newest first.
+    skipped: tuple[SkippedCheckpoint, ...]
+
+
+class CheckpointError(Exception):
+    """Base of the errors this module raises about the store itself."""
+
+
+class NoCheckpointError(CheckpointError):
+    """The state directory holds no checkpoint at all."""
+
+    def __init__(self, state_dir: Path) -> None:
+        super().__init__(f"no checkpoint in {state_dir / CHECKPOINTS_DIR}")
+        self.state_dir = state_dir
+
+
+class DamagedCheckpointsError(CheckpointError):
+    """Checkpoints exist but every one is damaged. Starting afresh would silently throw away
+    training and reset versions, so the caller has to decide that explicitly."""
+
+    def __init__(self, state_dir: Path, skipped: tuple[SkippedCheckpoint, ...]) -> None:
+        reasons = "; ".join(f"{s.path.name}: {s.reason}" for s in skipped)
+        super().__init__(f"no usable checkpoint in {state_dir / CHECKPOINTS_DIR} ({reasons})")
+        self.state_dir = state_dir
+        self.skipped = skipped
+
+
+class CheckpointPruneError(CheckpointError):
+    """The new checkpoint is saved and durable, but removing old ones failed (disk will fill)."""
+
+    def __init__(self, saved: Path, cause: OSError) -> None:
+        super().__init__(f"checkpoint saved to {saved}, but removing old checkpoints failed: {cause}")
+        self.saved = saved
+
+
+class _Damaged(Exception):
+    """Internal: one checkpoint directory is unusable; the message is the reason."""
+
+
+# --- saving -----------------------------------------------------------------------------------
+
+
+def save_checkpoint(state_dir: Path, state: SyncerState, *, keep: int = DEFAULT_KEEP) -> Path:
+    """Write state as a new checkpoint and return its directory; keep the newest `keep` complete
+    checkpoints and delete older ones and leftovers of interrupted saves.
+
+    The tensors must not change while this runs (pass snapshots, or hold the training thread).
+    Raises ValueError for an inconsistent state (nothing is written), OSError when writing fails
+    (nothing that looks complete is left), CheckpointPruneError when only the clean-up failed.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, got {keep}")
+    if sys.byteorder != "little":
+        raise CheckpointError("safetensors files are little-endian; this host is big-endian")
+    _check_state(state)
+    try:
+        meta_json = json.dumps(state.meta, allow_nan=False)  # fails here, before anything is written
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"meta is not JSON-serialisable: {exc}") from exc
+
+    root = Path(state_dir) / CHECKPOINTS_DIR
+    _make_dirs(root)
+    sequence = max((seq for seq, _ in _final_dirs(root)), default=0) + 1
+    name = f"{_NAME_PREFIX}{sequence:012d}"
+    temp = root / f"{_TEMP_PREFIX}{name}-{secrets.token_hex(4)}"
+    final = root / name
+    temp.mkdir()
+    try:
+        model_record = _write_tensor_file(temp / MODEL_FILE, state.params)
+        momentum_record = _write_tensor_file(temp / MOMENTUM_FILE, state.momentum)
+        document = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "sequence": sequence,
+            "saved_at_unix_s": time.time(),
+            "param_names": list(state.params),
+            "versions": list(state.versions),
+            "meta": json.loads(meta_json),
+            "files": {MODEL_FILE: model_record, MOMENTUM_FILE: momentum_record},
+        }
+        _write_bytes(temp / STATE_FILE, (json.dumps(document, indent=1, allow_nan=False) + "\n").encode())
+        _fsync_dir(temp)
+        # The directory is complete and durable before it gets a name that loading considers.
+        temp.rename(final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    try:
+        prune_checkpoints(state_dir, keep=keep)
+    except OSError as exc:
+        raise CheckpointPruneError(final, exc) from exc
+    return final
+
+
+def prune_checkpoints(state_dir: Path, *, keep: int = DEFAULT_KEEP) -> list[Path]:
+    """Delete all but the newest `keep` complete checkpoints, damaged ones outside those, and
+    temporary directories; return what was deleted. Only one process may write a state dir."""
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, got {keep}")
+    root = Path(state_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    kept = 0
+    doomed: list[Path] = []
+    for sequence, path in _final_dirs(root):
+        if kept < keep and _looks_complete(path, sequence):
+            kept += 1
+        else:
+            doomed.append(path)
+    doomed += [p for p in sorted(root.iterdir()) if p.name.startswith(_TEMP_PREFIX) and p.is_dir()]
+    for path in doomed:
+        if path.name.startswith(_TEMP_PREFIX):
+            shutil.rmtree(path)
+        else:
+            # Renamed first, so a crash half-way through rmtree leaves a temporary directory
+            # (cleaned next time), never a final-named one with files missing.
+            trash = root / f"{_TEMP_PREFIX}deleting-{path.name}-{secrets.token_hex(4)}"
+            path.rename(trash)
+            shutil.rmtree(trash)
+    return doomed
+
+
+def _check_state(state: SyncerState) -> None:
+    if set(state.params) != set(state.momentum):
+        missing = sorted(set(state.params) ^ set(state.momentum))
+        raise ValueError(f"params and momentum must have the same names; differing: {missing[:10]}")
+    for name, param in state.params.items():
+        if not isinstance(name, str) or name == "__metadata__" or not name.isprintable():
+            raise ValueError(f"parameter name {name!r} cannot be stored")
+        momentum = state.momentum[name]
+        for kind, tensor in (("param", param), ("momentum", momentum)):
+            if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+                raise ValueError(f"{kind} {name!r} must be a dense tensor, got {type(tensor).__name__}")
+            if tensor.dtype not in _DTYPE_NAMES:
+                raise ValueError(f"{kind} {name!r} has dtype {tensor.dtype}, which safetensors cannot store")
+            if tensor.is_meta:
+                raise ValueError(f"{kind} {name!r} is on the meta device and has no values")
+        if momentum.dtype != torch.float32:
+            raise ValueError(f"momentum {name!r} must be float32, got {momentum.dtype}")
+        if momentum.shape != param.shape:
+            raise ValueError(
+                f"momentum {name!r} has shape {tuple(momentum.shape)}, its param {tuple(param.shape)}"
+            )
+    _check_versions(state.versions)
+    if not isinstance(state.meta, dict):
+        raise ValueError(f"meta must be a dict, got {type(state.meta).__name__}")
+
+
+def _check_versions(versions: object) -> None:
+    if not isinstance(versions, list):
+        raise ValueError(f"versions must be a list, got {type(versions).__name__}")
+    for index, version in enumerate(versions):
+        # bool is an int subclass, and JSON true would otherwise pass as version 1.
+        if type(version) is not int or version < 0:
+            raise ValueError(f"version of fragment {index} must be a non-negative int, got {version!r}")
+
+
+def _write_tensor_file(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """Write tensors as a safetensors file, fsync it, return its size and SHA-256.
+
+    Bytes go from each tensor's memory to the file; a tensor that is not a contiguous CPU tensor
+    is copied alone just before it is written, so at most one tensor's copy exists at a time.
+    Tensors sharing memory (tied weights, views of one buffer) are simply written twice.
+    """
+    order = sorted(tensors, key=lambda n: (-_DTYPE_RANKS[tensors[n].dtype], n))
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in order:
+        tensor = tensors[name]
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": _DTYPE_NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    head += b" " * (-len(head) % _HEADER_ALIGNMENT)
+    digest = hashlib.sha256()
+    with open(path, "xb") as f:
+        for prefix in (_HEADER_LENGTH.pack(len(head)), head):
+            digest.update(prefix)
+            f.write(prefix)
+        for name in order:
+            tensor = tensors[name]
+            packed = tensor.detach().to("cpu").contiguous()
+            if packed.numel():
+                view = _bytes_of(packed)
+                # In slices: one write() of several GB may come back short on some systems.
+                for start in range(0, len(view), _WRITE_SLICE_BYTES):
+                    piece = view[start : start + _WRITE_SLICE_BYTES]
+                    digest.update(piece)
+                    f.write(piece)
+                del view, piece
+            del packed
+        f.flush()
+        os.fsync(f.fileno())
+        size = f.tell()
+    if size != _HEADER_LENGTH.size + len(head) + offset:
+        # A tensor was swapped for another while we wrote: the file would not parse.
+        raise CheckpointError(f"{path.name}: the tensors changed while they were being saved")
+    return {"bytes": size, "sha256": digest.hexdigest()}
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor without a copy (torch offers no buffer protocol and
+    numpy is not a dependency). The caller keeps tensor alive while the view is in use."""
+    nbytes = tensor.numel() * tensor.element_size()
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "xb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _make_dirs(path: Path) -> None:
+    """mkdir -p, fsyncing each new directory's parent so that the new entry survives a crash."""
+    missing: list[Path] = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        directory.mkdir(exist_ok=True)
+        _fsync_dir(directory.parent)
+
+
+# --- loading ----------------------------------------------------------------------------------
+
+
+def load_latest_checkpoint(state_dir: Path) -> LoadedCheckpoint | None:
+    """The newest checkpoint whose state.json parses and whose tensor files match the recorded
+    sizes and digests; damaged newer ones are listed in `skipped`. None when there is no
+    checkpoint; DamagedCheckpointsError when there are some but none is usable. Reads only."""
+    state_dir = Path(state_dir)
+    skipped: list[SkippedCheckpoint] = []
+    for sequence, path in _final_dirs(state_dir / CHECKPOINTS_DIR):
+        try:
+            document = _read_document(path, sequence)
+            for file_name in (MODEL_FILE, MOMENTUM_FILE):
+                _verify_file(path / file_name, document["files"][file_name])
+            state = _read_state(path, document)
+        except _Damaged as exc:
+            skipped.append(SkippedCheckpoint(path, str(exc)))
+            continue
+        return LoadedCheckpoint(state, path, sequence, float(document["saved_at_unix_s"]), tuple(skipped))
+    if skipped:
+        raise DamagedCheckpointsError(state_dir, tuple(skipped))
+    return None
+
+
+def _final_dirs(root: Path) -> list[tuple[int, Path]]:
+    """Final-named checkpoint directories, newest (highest sequence) first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        match = _NAME_RE.fullmatch(entry.name)
+        if match and entry.is_dir():
+            found.append((int(match.group(1)), entry))
+    found.sort(reverse=True)
+    return found
+
+
+def _looks_complete(path: Path, sequence: int) -> bool:
+    """Cheap completeness check for pruning: state.json is there and valid (no hashing)."""
+    try:
+        _read_document(path, sequence)
+    except _Damaged:
+        return False
+    return True
+
+
+def _read_document(path: Path, sequence: int) -> dict[str, Any]:
+    """Parse and validate state.json; _Damaged says what is wrong."""
+    try:
+        raw = (path / STATE_FILE).read_bytes()
+    except FileNotFoundError:
+        raise _Damaged(f"{STATE_FILE} is missing (incomplete checkpoint)") from None
+    except OSError as exc:
+        raise _Damaged(f"cannot read {STATE_FILE}: {exc}") from None
+    try:
+        document = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _Damaged(f"{STATE_FILE} does not parse: {exc}") from None
+    if not isinstance(document, dict) or document.get("format") != FORMAT:
+        raise _Damaged(f"{STATE_FILE} is not a {FORMAT} document")
+    if document.get("format_version") != FORMAT_VERSION:
+        raise _Damaged(
+            f"{STATE_FILE} has format_version {document.get('format_version')!r}, "
+            f"this dilocod reads {FORMAT_VERSION}"
+        )
+    if document.get("sequence") != sequence:
+        raise _Damaged(f"{STATE_FILE} says sequence {document.get('sequence')!r}, the directory {sequence}")
+    if not isinstance(document.get("saved_at_unix_s"), int | float):
+        raise _Damaged(f"{STATE_FILE} has no saved_at_unix_s")
+    try:
+        _check_versions(document.get("versions"))
+    except ValueError as exc:
+        raise _Damaged(f"{STATE_FILE}: {exc}") from None
+    if not isinstance(document.get("meta"), dict):
+        raise _Damaged(f"{STATE_FILE} has no meta object")
+    names = document.get("param_names")
+    if (
+        not isinstance(names, list)
+        or not all(isinstance(n, str) for n in names)
+        or len(set(names)) != len(names)
+    ):
+        raise _Damaged(f"{STATE_FILE} has no list of distinct param_names")
+    files = document.get("files")
+    for file_name in (MODEL_FILE, MOMENTUM_FILE):
+        record = files.get(file_name) if isinstance(files, dict) else None
+        if not (
+            isinstance(record, dict)
+            and type(record.get("bytes")) is int
+            and isinstance(record.get("sha256"), str)
+        ):
+            raise _Damaged(f"{STATE_FILE} has no size and sha256 for {file_name}")
+    return document
+
+
+def _verify_file(path: Path, record: dict[str, Any]) -> None:
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != record["bytes"]:
+                raise _Damaged(f"{path.name} has {size} bytes, {STATE_FILE} recorded {record['bytes']}")
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError as exc:
+        raise _Damaged(f"cannot read {path.name}: {exc}") from None
+    if digest != record["sha256"]:
+        raise _Damaged(f"{path.name} has sha256 {digest}, {STATE_FILE} recorded {record['sha256']}")
+
+
+def _read_state(path: Path, document: dict[str, Any]) -> SyncerState:
+    names: list[str] = document["param_names"]
+    params = _read_tensor_file(path / MODEL_FILE, names)
+    momentum = _read_tensor_file(path / MOMENTUM_FILE, names)
+    for name in names:
+        if momentum[name].dtype != torch.float32:
+            raise _Damaged(f"{MOMENTUM_FILE}: {name!r} is {momentum[name].dtype}, not float32")
+        if momentum[name].shape != params[name].shape:
+            raise _Damaged(
+                f"{MOMENTUM_FILE}: {name!r} has shape {tuple(momentum[name].shape)}, "
+                f"the param {tuple(params[name].shape)}"
+            )
+    return SyncerState(params, momentum, list(document["versions"]), document["meta"])
+
+
+def _read_tensor_file(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """All tensors of a safetensors file, in the order of names, which must be exactly its keys."""
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            keys = set(f.keys())
+            if keys != set(names):
+                differing = sorted(keys ^ set(names))
+                raise _Damaged(f"{path.name} holds other tensors than {STATE_FILE} lists: {differing[:10]}")
+            return {name: f.get_tensor(name) for name in names}
+    except (SafetensorError, OSError, ValueError, TypeError, RuntimeError) as exc:
+        raise _Damaged(f"{path.name} does not load: {exc}") from None
+
+
+# --- export -----------------------------------------------------------------------------------
+
+
+def export_model(state_dir: Path, out: Path) -> Path:
+    """Write the global model of the newest usable checkpoint to `out`: one safetensors file keyed
+    by parameter name. Atomic: `out` is either the old file or the whole new one.
+
+    The checkpoint's model file already has that form, so it is copied (constant memory) and its
+    digest checked on the way; a damaged checkpoint is passed over for the previous one. Raises
+    NoCheckpointError when there is none, DamagedCheckpointsError when none is usable.
+    """
+    state_dir, out = Path(state_dir), Path(out)
+    candidates = _final_dirs(state_dir / CHECKPOINTS_DIR)
+    if not candidates:
+        raise NoCheckpointError(state_dir)
+    skipped: list[SkippedCheckpoint] = []
+    for sequence, path in candidates:
+        temp = out.with_name(f".{out.name}.tmp-{secrets.token_hex(4)}")
+        try:
+            document = _read_document(path, sequence)
+            _copy_verified(path / MODEL_FILE, document["files"][MODEL_FILE], temp)
+            temp.replace(out)
+        except _Damaged as exc:
+            skipped.append(SkippedCheckpoint(path, str(exc)))
+            continue
+        finally:
+            temp.unlink(missing_ok=True)
+        _fsync_dir(out.parent)
+        return out
+    raise DamagedCheckpointsError(state_dir, tuple(skipped))
+
+
+def _copy_verified(source: Path, record: dict[str, Any], target: Path) -> None:
+    """Copy source to target (fsync'd), checking the recorded size and SHA-256 on the way."""
+    digest = hashlib.sha256()
+    try:
+        src = open(source, "rb")  # noqa: SIM115 - closed below; OSError here means damage
+    except OSError as exc:
+        raise _Damaged(f"cannot read {source.name}: {exc}") from None
+    with src, open(target, "xb") as dst:
+        size = os.fstat(src.fileno()).st_size
+        if size != record["bytes"]:
+            raise _Damaged(f"{source.name} has {size} bytes, {STATE_FILE} recorded {record['bytes']}")
+        for chunk in _chunks(src):
+            digest.update(chunk)
+            dst.write(chunk)
+        if digest.hexdigest() != record["sha256"]:
+            raise _Damaged(
+                f"{source.name} has sha256 {digest.hexdigest()}, {STATE_FILE} recorded {record['sha256']}"
+            )
+        dst.flush()
+        os.fsync(dst.fileno())
+
+
+def _chunks(f: Any) -> Iterator[memoryview]:
+    buffer = bytearray(_COPY_CHUNK_BYTES)
+    view = memoryview(buffer)
+    while n := f.readinto(buffer):
+        yield view[:n]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from functools import partial
@@ -118,6 +118,10 @@ class Session:
         self.closed = asyncio.Event()
         self.bytes_payload_sent = 0
         self.bytes_payload_received = 0
+        #: Called with (header, buffer) of an inbound transfer that was opened and then failed or
+        #: was abandoned (reset by either side, or the session closed). A decompression may still
+        #: be writing into that buffer: drop it, never hand it out again.
+        self.on_inbound_failed: Callable[[StreamHeader, memoryview], None] | None = None
         control.conn.chunk_sink = self._inbound.chunk_target
         control.attach(self._on_event, self._on_control_lost)
         self._timer = self._loop.call_later(options.ping_interval_s, self._keepalive)
@@ -131,6 +135,12 @@ class Session:
     @property
     def is_open(self) -> bool:
         return not self.closed.is_set()
+
+    def set_allocator(self, allocate: Allocate) -> None:
+        """Choose where this session's inbound fragments land, per header. An allocator may refuse
+        a transfer by raising RemoteProtocolError: the peer gets STREAM_RESET with its code, and
+        the session goes on."""
+        self._inbound.allocate = allocate
 
     def attach_data(self, proto: FrameProtocol) -> None:
         """Add an authenticated data connection of this session."""
@@ -326,10 +336,11 @@ class Session:
                 code = ErrorCode(reset.code)
             except ValueError:
                 code = ErrorCode.TRANSFER_ABORTED
-            send.error = TransferFailed(code, f"receiver reset the transfer: {reset.message}")
+            if send.error is None:  # the first reason is the one that counts
+                send.error = TransferFailed(code, f"receiver reset the transfer: {reset.message}")
             send.wake.set()
         else:
-            self._inbound.reset(transfer_id)
+            self._inbound_failed(self._inbound.reset(transfer_id))
             self._inbound_opened.pop(transfer_id, None)
 
     def _open_inbound(self, transfer_id: int, header: StreamHeader) -> None:
@@ -338,8 +349,8 @@ class Session:
             self.control.abort(ErrorCode.MALFORMED_BODY, f"transfer id {transfer_id} has the wrong parity")
             return
         early = self._guard(transfer_id, partial(self._inbound.open, transfer_id, header))
-        if early is None:
-            return
+        if not isinstance(early, list):
+            return  # refused (duplicate id, too many transfers, or by the allocator): reset sent
         self._inbound_opened[transfer_id] = self._loop.time()
         for chunk in early:
             self._decode(transfer_id, chunk.chunk, chunk.payload, in_place=False)
@@ -426,7 +437,7 @@ class Session:
         return result
 
     def _reset_inbound(self, transfer_id: int, exc: RemoteProtocolError) -> None:
-        self._inbound.reset(transfer_id)
+        self._inbound_failed(self._inbound.reset(transfer_id))
         self._inbound_opened.pop(transfer_id, None)
         self._drop_spares(transfer_id)
         if self.control.is_open:
@@ -511,6 +522,8 @@ class Session:
         for send in self._outbound.values():
             send.error = SessionClosed(reason)
             send.wake.set()
+        for opened in self._inbound.reset_all():
+            self._inbound_failed(opened)
         for proto in [*self.data, self.control]:
             if proto.transport is not None and not proto.transport.is_closing():
                 if proto.is_open:
@@ -519,6 +532,10 @@ class Session:
                     proto.transport.close()
         if self._owns_executor:
             self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _inbound_failed(self, opened: tuple[StreamHeader, memoryview] | None) -> None:
+        if opened is not None and self.on_inbound_failed is not None:
+            self.on_inbound_failed(*opened)
 
     def _check_open(self) -> None:
         if self.closed.is_set():

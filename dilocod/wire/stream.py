@@ -60,7 +60,8 @@ class InboundStreams:
 
     def __init__(self, limits: Limits, allocate: Allocate, max_early_bytes: int = 64 * 1024 * 1024):
         self.limits = limits
-        self._allocate = allocate
+        #: Where a transfer's bytes go, chosen per header (a session may replace it).
+        self.allocate = allocate
         self._transfers: dict[int, _Inbound] = {}
         self._early: dict[int, list[EarlyChunk]] = {}
         # Budget charged per transfer when an early chunk's header comes in (chunk_target), and
@@ -82,7 +83,7 @@ class InboundStreams:
             raise RemoteProtocolError(
                 ErrorCode.LIMIT_EXCEEDED, f"more than {self.limits.max_transfers_in_flight} transfers"
             )
-        buffer = self._allocate(header)
+        buffer = self.allocate(header)
         if len(buffer) != header.raw_bytes:
             raise LocalProtocolError(ErrorCode.INTERNAL, "allocator returned a buffer of the wrong size")
         n = header.chunks
@@ -166,6 +167,8 @@ class InboundStreams:
     def end(self, transfer_id: int, end: FragmentEnd) -> FragmentAssembled | None:
         inbound = self._transfers.get(transfer_id)
         if inbound is None:
+            if transfer_id in self._finished:
+                return None  # reset (or done) already: the sender's END crossed our STREAM_RESET
             raise RemoteProtocolError(
                 ErrorCode.UNKNOWN_TRANSFER, f"FRAGMENT_END for unknown transfer {transfer_id}"
             )
@@ -188,12 +191,18 @@ class InboundStreams:
         self._finished.add(transfer_id)
         return FragmentAssembled(transfer_id, inbound.header, inbound.buffer)
 
-    def reset(self, transfer_id: int) -> None:
-        """Forget a transfer (failed, or reset by the sender); later chunks of it are dropped."""
-        self._transfers.pop(transfer_id, None)
+    def reset(self, transfer_id: int) -> tuple[StreamHeader, memoryview] | None:
+        """Forget a transfer (failed, or reset by the sender); later chunks of it are dropped.
+        Returns the header and buffer of a transfer that had been opened."""
+        inbound = self._transfers.pop(transfer_id, None)
         self._early.pop(transfer_id, None)
         self._release_early(transfer_id)
         self._finished.add(transfer_id)
+        return None if inbound is None else (inbound.header, inbound.buffer)
+
+    def reset_all(self) -> list[tuple[StreamHeader, memoryview]]:
+        """Forget every open transfer (the session is gone); their headers and buffers."""
+        return [opened for transfer_id in list(self._transfers) if (opened := self.reset(transfer_id))]
 
     def _release_early(self, transfer_id: int) -> None:
         self._early_bytes -= self._early_charged.pop(transfer_id, 0)

@@ -4,8 +4,13 @@ environment. Must stay cheap to import (no torch)."""
 
 from __future__ import annotations
 
+import math
 import re
+import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
 
 EX_CONFIG = 78  # sysexits EX_CONFIG: systemd's RestartPreventExitStatus keys on it
 
@@ -90,3 +95,164 @@ def parse_address(text: str, *, key: str = "address", default_port: int | None =
     if not 0 <= port <= 65535:
         raise ConfigError(f"{key}: port {port} outside 0..65535")
     return Address(host, port)
+
+
+# ---------------------------------------------------------------- daemon configuration files
+
+Parse = Callable[[object, str], object]
+C = TypeVar("C")
+
+
+def _integer(low: int, high: int | None = None) -> Parse:
+    def parse(value: object, key: str) -> int:
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            value = int(value)
+        if type(value) is not int or value < low or (high is not None and value > high):
+            bound = f"{low}..{high}" if high is not None else f">= {low}"
+            raise ConfigError(f"{key}: {value!r} is not an integer {bound}")
+        return value
+
+    return parse
+
+
+def _number(low: float, high: float | None = None, *, low_open: bool = False) -> Parse:
+    def parse(value: object, key: str) -> float:
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"{key}: {value!r} is not a number") from None
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ConfigError(f"{key}: {value!r} is not a finite number")
+        if value < low or (low_open and value == low) or (high is not None and value > high):
+            bound = f"{'>' if low_open else '>='} {low}" + (f" and <= {high}" if high is not None else "")
+            raise ConfigError(f"{key}: {value!r} must be {bound}")
+        return float(value)
+
+    return parse
+
+
+def _text(choices: tuple[str, ...] | None = None) -> Parse:
+    def parse(value: object, key: str) -> str:
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{key}: {value!r} is not a non-empty string")
+        if choices is not None and value not in choices:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(choices)}")
+        return value
+
+    return parse
+
+
+def _flag(value: object, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}: {value!r} is not true or false")
+    return value
+
+
+def _path(value: object, key: str) -> Path:
+    if not isinstance(value, str | Path) or not str(value):
+        raise ConfigError(f"{key}: {value!r} is not a path")
+    return Path(value).expanduser()
+
+
+def _address(default_port: int) -> Parse:
+    def parse(value: object, key: str) -> Address:
+        if isinstance(value, Address):
+            return value
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: {value!r} is not HOST:PORT")
+        return parse_address(value, key=key, default_port=default_port)
+
+    return parse
+
+
+def _size(value: object, key: str) -> int:
+    if type(value) is int and value > 0:
+        return value
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: {value!r} is not a size")
+    return parse_size(value, key=key)
+
+
+DEFAULT_PORT = 7070
+MERGES = ("rda", "mean")
+WIRE_CODECS = ("none", "lz4", "zstd")
+
+
+@dataclass(frozen=True, slots=True)
+class SyncerConfig:
+    """`dilocod syncer`: defaults here, then a TOML file, then flags (DESIGN.md §3.6 defaults)."""
+
+    listen: Address = Address("0.0.0.0", DEFAULT_PORT)
+    entry: str | None = None
+    state_dir: Path | None = None
+    fragments: int = 24
+    sync_every: int = 24
+    overlap: int = 2
+    quorum: int = 1
+    grace_factor: float = 0.5
+    merge: str = "rda"
+    embedding_pattern: str = "*embed*"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    secret_file: Path | None = None
+    insecure: bool = False
+    metrics: Address | None = None
+    checkpoint_every_s: float = 300.0
+    #: A late push may still be merged this many versions after its base.
+    staleness: int = 1
+    #: Outer gradients with a norm above this multiple of the running median are rejected.
+    max_norm_ratio: float = 10.0
+    #: How updates travel: chunk size and codec (learners choose their own for pushes).
+    chunk: int = 1 << 20
+    codec: str = "none"
+    seed: int = 0
+
+
+SYNCER_FIELDS: dict[str, Parse] = {
+    "listen": _address(DEFAULT_PORT),
+    "entry": _text(),
+    "state_dir": _path,
+    "fragments": _integer(1, 65_536),
+    "sync_every": _integer(1, 1_000_000),
+    "overlap": _integer(0, 1_000_000),
+    "quorum": _integer(1, 65_536),
+    "grace_factor": _number(0.0, 100.0),
+    "merge": _text(MERGES),
+    "embedding_pattern": _text(),
+    "outer_lr": _number(0.0, 100.0, low_open=True),
+    "outer_momentum": _number(0.0, 1.0),
+    "secret_file": _path,
+    "insecure": _flag,
+    "metrics": _address(9464),
+    "checkpoint_every_s": _number(0.0, low_open=True),
+    "staleness": _integer(0, 1_000),
+    "max_norm_ratio": _number(1.0),
+    "chunk": _size,
+    "codec": _text(WIRE_CODECS),
+    "seed": _integer(0, 2**63 - 1),
+}
+
+
+def load_config(cls: type[C], fields: dict[str, Parse], path: Path | None, flags: dict[str, object]) -> C:
+    """Defaults < the TOML file at path < flags. TOML keys are the flag names without their dashes
+    (`sync-every = 24`; `sync_every` also works). Every value is checked; an unknown key or a bad
+    value raises ConfigError naming the key (and the file)."""
+    values: dict[str, object] = {}
+    if path is not None:
+        try:
+            document = tomllib.loads(path.read_text())
+        except OSError as exc:
+            raise ConfigError(f"--config: cannot read {path}: {exc.strerror or exc}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"--config: {path} is not valid TOML: {exc}") from None
+        for raw_key, value in document.items():
+            key = raw_key.replace("-", "_")
+            if key not in fields:
+                known = ", ".join(k.replace("_", "-") for k in fields)
+                raise ConfigError(f"{path}: unknown key {raw_key!r} (known keys: {known})")
+            values[key] = fields[key](value, f"{raw_key} (in {path})")
+    for key, value in flags.items():
+        if value is not None:
+            values[key] = fields[key](value, f"--{key.replace('_', '-')}")
+    return cls(**values)

@@ -69,6 +69,8 @@ class FragmentStore:
     params: list[Tensor]
     momentum_views: list[Tensor]
     is_embedding: list[bool]
+    #: The version the master holds (changed only by merge, in the worker).
+    version: int = 0
     current: Snapshot | None = None
     #: Snapshot buffers nobody reads any more, kept for the next merge of this fragment.
     spare: list[bytearray] = field(default_factory=list)
@@ -117,8 +119,16 @@ class GlobalModel:
 
     # ------------------------------------------------------------------ state
 
-    def load(self, params: Mapping[str, Tensor], momentum: Mapping[str, Tensor] | None = None) -> None:
-        """Fill Θ (and b, zeros when not given) from tensors keyed by parameter name."""
+    def load(
+        self,
+        params: Mapping[str, Tensor],
+        momentum: Mapping[str, Tensor] | None = None,
+        versions: Sequence[int] | None = None,
+    ) -> None:
+        """Fill Θ (and b, zeros when not given) from tensors keyed by parameter name, at versions
+        (zeros when not given)."""
+        if versions is not None and len(versions) != len(self.fragments):
+            raise ModelMismatch(f"{len(versions)} versions for {len(self.fragments)} fragments")
         for name in self.order:
             if name not in params:
                 raise ModelMismatch(f"parameter {name!r} is missing")
@@ -132,12 +142,18 @@ class GlobalModel:
             raise ModelMismatch(f"parameter {extra[0]!r} is not in the plan")
         with torch.no_grad():
             for store in self.fragments:
+                store.version = 0 if versions is None else versions[store.index]
                 for entry, param, buf in zip(store.manifest, store.params, store.momentum_views, strict=True):
                     param.copy_(params[entry.name])
                     if momentum is None:
                         buf.zero_()
                     else:
                         buf.copy_(momentum[entry.name])
+
+    @property
+    def versions(self) -> list[int]:
+        """What the master holds (read in the merge worker for a consistent checkpoint)."""
+        return [store.version for store in self.fragments]
 
     def state(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         """Θ and b keyed by parameter name: views onto the live buffers (run in the merge worker)."""
@@ -149,12 +165,13 @@ class GlobalModel:
                 momentum[entry.name] = buf
         return params, momentum
 
-    def publish_all(self, versions: Sequence[int]) -> None:
+    def publish_all(self) -> None:
         """Snapshot every fragment at its version (at start, before any learner is served)."""
-        for store, version in zip(self.fragments, versions, strict=True):
+        for store in self.fragments:
             target = self.spare_buffer(store.index)
             self.copy_out(store.index, target)
-            self.publish(store.index, Snapshot(version, target, chunk_checksums(target, self.chunk_bytes)))
+            checksums = chunk_checksums(target, self.chunk_bytes)
+            self.publish(store.index, Snapshot(store.version, target, checksums))
 
     # ------------------------------------------------------------------ snapshots (event loop)
 
@@ -220,9 +237,10 @@ class GlobalModel:
         mu: float,
         merge: str,
         target: bytearray,
+        version: int,
     ) -> Snapshot:
-        """Merge the pushes into Θ_p and step b_p and Θ_p in place, then copy Θ_p into target and
-        hash it: the snapshot to publish (its version is filled in by the caller)."""
+        """Merge the pushes into Θ_p and step b_p and Θ_p in place, now at `version`; then copy
+        Θ_p into target and hash it: the snapshot to publish."""
         store = self.fragments[index]
         if store.scratch is None:
             # Kept across rounds: RDA's u' per tensor (allocating 100 MB each round costs faults).
@@ -238,8 +256,9 @@ class GlobalModel:
             is_embedding=store.is_embedding,
             scratch=store.scratch,
         )
+        store.version = version
         self.copy_out(index, target)
-        return Snapshot(-1, target, chunk_checksums(target, self.chunk_bytes))
+        return Snapshot(version, target, chunk_checksums(target, self.chunk_bytes))
 
 
 def specs_of(model: torch.nn.Module) -> list[ParameterSpec]:

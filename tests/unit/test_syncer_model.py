@@ -76,7 +76,7 @@ def test_first_mismatch() -> None:
 
 def test_snapshots_are_lent_then_reused() -> None:
     model, _ = build()
-    model.publish_all([0, 0, 0])
+    model.publish_all()
     first = model.acquire(1)
     assert first.checksums == chunk_checksums(first.buffer, CHUNK)
     target = model.spare_buffer(1)
@@ -93,7 +93,7 @@ def test_merge_equals_the_outer_functions_on_plain_tensors() -> None:
     """RDA for non-embedding tensors and the weighted mean for embeddings, then SGD-Nesterov, on
     copies of the same values: the packed store must give the very same numbers."""
     model, _ = build(fragments=2)
-    model.publish_all([0, 0])
+    model.publish_all()
     (index,) = [i for i, f in enumerate(model.fragments) if any(f.is_embedding) and not all(f.is_embedding)]
     store = model.fragments[index]
     generator = torch.Generator().manual_seed(1)
@@ -114,10 +114,11 @@ def test_merge_equals_the_outer_functions_on_plain_tensors() -> None:
             torch.testing.assert_close(merged[t], mean[t])
     nesterov_step_(params, merged, momentum, lr=0.7, mu=0.9)
     snapshot = model.merge(
-        index, pushes, weights, lr=0.7, mu=0.9, merge="rda", target=model.spare_buffer(index)
+        index, pushes, weights, lr=0.7, mu=0.9, merge="rda", target=model.spare_buffer(index), version=1
     )
     for t in range(len(params)):
         torch.testing.assert_close(store.params[t], params[t], rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(store.momentum_views[t], momentum[t], rtol=1e-6, atol=1e-7)
     assert bytes(snapshot.buffer) == bytes(store.master)
+    assert snapshot.version == 1 and model.versions[index] == 1
     assert snapshot.checksums == chunk_checksums(store.master, CHUNK)

@@ -11,7 +11,12 @@ from enum import IntEnum
 
 
 class ErrorCode(IntEnum):
-    """Codes carried by ERROR and STREAM_RESET frames (protocol/SPEC.md §7)."""
+    """Codes carried by ERROR and STREAM_RESET frames (protocol/SPEC.md §9).
+
+    Codes 24 and up are application-level: the syncer (for MODEL_MISMATCH, either end) sends them
+    about what the peer asked for (its model, its pushes, the join order); the wire core never
+    raises them itself.
+    """
 
     BAD_MAGIC = 1
     UNSUPPORTED_VERSION = 2
@@ -36,6 +41,10 @@ class ErrorCode(IntEnum):
     TRANSFER_ABORTED = 21
     SHUTTING_DOWN = 22
     INTERNAL = 23
+    MODEL_MISMATCH = 24  # ERROR: the learner's JOIN model differs from the PLAN's (names the first)
+    NOT_REQUESTED = 25  # STREAM_RESET: a push nobody asked for, or a second one for the same round
+    STALE_VERSION = 26  # STREAM_RESET: a push's base version is too old, or newer than the syncer's
+    NOT_JOINED = 27  # ERROR: STEP_REPORT or PUSH_HEADER before JOIN, or a second JOIN
 
 
 class ProtocolError(Exception):

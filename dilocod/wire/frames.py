@@ -33,6 +33,8 @@ class FrameType(IntEnum):
     PUSH_HEADER = 0x12
     UPDATE_HEADER = 0x13
     FRAGMENT_ACK = 0x14
+    JOIN = 0x15
+    PLAN = 0x16
     PING = 0x20
     PONG = 0x21
     STATUS_REQUEST = 0x22
@@ -66,6 +68,17 @@ TRANSFER_FRAMES = frozenset(
 HANDSHAKE_FRAMES = frozenset(
     {FrameType.HELLO, FrameType.AUTH_CHALLENGE, FrameType.AUTH_RESPONSE, FrameType.WELCOME}
 )
+#: Control frames whose body may be as large as max_control_body_bytes (they list tensors or carry
+#: a daemon's status); every other open-state control frame is capped at max_message_bytes.
+LARGE_CONTROL_FRAMES = frozenset(
+    {
+        FrameType.PUSH_HEADER,
+        FrameType.UPDATE_HEADER,
+        FrameType.JOIN,
+        FrameType.PLAN,
+        FrameType.STATUS_RESPONSE,
+    }
+)
 SHUFFLE_ITEM_SIZES = frozenset({0, 2, 4, 8})
 
 
@@ -95,7 +108,7 @@ def max_body_bytes(frame_type: FrameType, limits: Limits, *, handshaking: bool) 
         return CHUNK_HEADER_BYTES + chunk_payload_bound(limits.max_chunk_bytes)
     if handshaking:
         return limits.max_handshake_body_bytes
-    if frame_type in (FrameType.PUSH_HEADER, FrameType.UPDATE_HEADER, FrameType.STATUS_RESPONSE):
+    if frame_type in LARGE_CONTROL_FRAMES:
         return limits.max_control_body_bytes
     return limits.max_message_bytes
 

@@ -37,6 +37,10 @@ class Limits:
     max_data_connections: int = 64
     max_peer_id_bytes: int = 128
     max_message_bytes: int = 4 * KiB
+    #: Parameters a JOIN or PLAN may list: the whole model, so as many as one manifest may hold.
+    max_model_tensors: int = 65_536
+    #: Fragments a PLAN may declare (fragment indices are u32 on the wire; this keeps PLAN small).
+    max_fragments: int = 65_536
 
     def max_chunks_per_fragment(self) -> int:
         return -(-self.max_fragment_bytes // self.min_chunk_bytes)

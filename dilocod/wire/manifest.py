@@ -1,4 +1,5 @@
-"""The tensor manifest of a fragment stream: names, dtypes, shapes and byte offsets.
+"""Tensor lists on the wire: the manifest of a fragment stream (names, dtypes, shapes and byte
+offsets) and the model of JOIN and PLAN (names, dtypes and shapes of every parameter).
 
 Validation here is what lets a receiver size its destination buffer from a peer's declaration.
 Must not import asyncio, socket, torch or logging (dtype names are plain strings).
@@ -28,6 +29,22 @@ DTYPE_SIZES: dict[str, int] = {
 }
 #: Offsets the packer uses; receivers accept any offset aligned to its item size.
 PACK_ALIGNMENT = 64
+
+
+@dataclass(frozen=True, slots=True)
+class ModelEntry:
+    """One parameter of a model as JOIN and PLAN list it: where it lives is the plan's business."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
+
+    def to_wire(self) -> list[object]:
+        return [self.name, self.dtype, list(self.shape)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +78,24 @@ def _bad(message: str) -> RemoteProtocolError:
     return RemoteProtocolError(ErrorCode.BAD_MANIFEST, message)
 
 
+def _check_tensor(
+    index: int, name: object, dtype: object, shape: object, names: set[str], max_dim: int, limits: Limits
+) -> tuple[str, str, tuple[int, ...]]:
+    """What a manifest entry and a model entry share: a new name, a known dtype, a bounded shape."""
+    if not isinstance(name, str) or not name or len(name.encode()) > limits.max_name_bytes:
+        raise _bad(f"entry {index}: name must be a non-empty string of at most {limits.max_name_bytes} bytes")
+    if name in names:
+        raise _bad(f"entry {index}: duplicate name {name!r}")
+    names.add(name)
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:  # a list is unhashable
+        raise _bad(f"{name}: unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or len(shape) > limits.max_tensor_rank:
+        raise _bad(f"{name}: shape must be an array of at most {limits.max_tensor_rank} dims")
+    if not all(type(d) is int and 0 <= d <= max_dim for d in shape):
+        raise _bad(f"{name}: dimensions must be integers in 0..{max_dim}")
+    return name, dtype, tuple(shape)
+
+
 def parse_manifest(raw: object, raw_bytes: int, limits: Limits) -> tuple[TensorEntry, ...]:
     """Check a peer's manifest: known dtypes, bounded rank and names, aligned offsets in order,
     no overlap, everything inside raw_bytes."""
@@ -77,25 +112,39 @@ def parse_manifest(raw: object, raw_bytes: int, limits: Limits) -> tuple[TensorE
     for index, item in enumerate(raw):
         if not (isinstance(item, list) and len(item) == 4):
             raise _bad(f"entry {index} must be [name, dtype, shape, offset]")
-        name, dtype, shape, offset = item
-        if not isinstance(name, str) or not name or len(name.encode()) > limits.max_name_bytes:
-            raise _bad(
-                f"entry {index}: name must be a non-empty string of at most {limits.max_name_bytes} bytes"
-            )
-        if name in names:
-            raise _bad(f"entry {index}: duplicate name {name!r}")
-        names.add(name)
-        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:  # a list is unhashable
-            raise _bad(f"{name}: unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or len(shape) > limits.max_tensor_rank:
-            raise _bad(f"{name}: shape must be an array of at most {limits.max_tensor_rank} dims")
-        if not all(type(d) is int and 0 <= d <= raw_bytes for d in shape):
-            raise _bad(f"{name}: dimensions must be integers in 0..raw_bytes")
+        name, dtype, shape = _check_tensor(index, *item[:3], names, raw_bytes, limits)
+        offset = item[3]
         if type(offset) is not int or offset < end or offset % DTYPE_SIZES[dtype]:
             raise _bad(f"{name}: offset {offset!r} overlaps, goes backwards or is misaligned")
-        entry = TensorEntry(name, dtype, tuple(shape), offset)
+        entry = TensorEntry(name, dtype, shape, offset)
         end = offset + entry.nbytes
         if end > raw_bytes:
             raise _bad(f"{name}: ends at byte {end}, past the fragment's {raw_bytes} bytes")
+        entries.append(entry)
+    return tuple(entries)
+
+
+def parse_model(raw: object, limits: Limits) -> tuple[ModelEntry, ...]:
+    """Check the model of a JOIN or PLAN: 1..max_model_tensors entries [name, dtype, shape] with
+    unique names, known dtypes, bounded rank, and each tensor small enough for one fragment stream
+    (larger could never be sent, and the bound keeps the size arithmetic small)."""
+    if not isinstance(raw, list):
+        raise _bad("model must be an array")
+    if len(raw) > limits.max_model_tensors:
+        raise RemoteProtocolError(
+            ErrorCode.LIMIT_EXCEEDED, f"model lists {len(raw)} tensors, limit {limits.max_model_tensors}"
+        )
+    if not raw:
+        raise _bad("model lists no tensors")  # nothing to train, nothing to fragment
+    entries: list[ModelEntry] = []
+    names: set[str] = set()
+    for index, item in enumerate(raw):
+        if not (isinstance(item, list) and len(item) == 3):
+            raise _bad(f"entry {index} must be [name, dtype, shape]")
+        entry = ModelEntry(*_check_tensor(index, *item, names, limits.max_fragment_bytes, limits))
+        if entry.nbytes > limits.max_fragment_bytes:
+            raise _bad(
+                f"{entry.name}: {entry.nbytes} bytes, above one fragment's {limits.max_fragment_bytes}"
+            )
         entries.append(entry)
     return tuple(entries)

@@ -16,7 +16,7 @@ import msgpack
 from dilocod.wire.errors import ErrorCode, RemoteProtocolError
 from dilocod.wire.frames import CODECS_BY_NAME, FrameType
 from dilocod.wire.limits import Limits
-from dilocod.wire.manifest import TensorEntry, parse_manifest
+from dilocod.wire.manifest import ModelEntry, TensorEntry, parse_manifest, parse_model
 
 NONCE_BYTES = 32
 SESSION_ID_BYTES = 16
@@ -24,6 +24,9 @@ MAC_BYTES = 32
 CONNECTION_KINDS = ("control", "data")
 AUTH_METHODS = ("hmac-sha256", "none")
 U64_MAX = 2**64 - 1
+U32_MAX = 2**32 - 1
+#: JOIN and PLAN name a syncer incarnation in at most this many UTF-8 bytes.
+MAX_INCARNATION_BYTES = 128
 
 
 def _malformed(message: str) -> RemoteProtocolError:
@@ -223,6 +226,104 @@ class FragmentRequest:
     @classmethod
     def from_body(cls, b: _Body, limits: Limits) -> FragmentRequest:
         return cls(b.uint("fragment", 2**32 - 1), b.uint("round"), b.uint("version"))
+
+
+@dataclass(frozen=True, slots=True)
+class Join:
+    """A learner's first word on an open session: its model, and whose fragments it holds."""
+
+    TYPE: ClassVar[FrameType] = FrameType.JOIN
+    model: tuple[ModelEntry, ...]
+    #: The syncer incarnation the learner last adopted fragments from; "" when it has none.
+    incarnation: str = ""
+
+    def to_body(self) -> dict[str, Any]:
+        return {"model": [e.to_wire() for e in self.model], "incarnation": self.incarnation}
+
+    @classmethod
+    def from_body(cls, b: _Body, limits: Limits) -> Join:
+        return cls(parse_model(b.raw.get("model"), limits), b.text("incarnation", MAX_INCARNATION_BYTES))
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The syncer's answer to JOIN: its model, how it is cut into fragments, each fragment's
+    version, and the schedule (H = sync_every, tau = overlap, K = quorum)."""
+
+    TYPE: ClassVar[FrameType] = FrameType.PLAN
+    incarnation: str
+    model: tuple[ModelEntry, ...]
+    #: Parameter names per fragment; together a partition of the model's names.
+    fragments: tuple[tuple[str, ...], ...]
+    versions: tuple[int, ...]
+    sync_every: int
+    overlap: int
+    quorum: int
+
+    def to_body(self) -> dict[str, Any]:
+        return {
+            "incarnation": self.incarnation,
+            "model": [e.to_wire() for e in self.model],
+            "fragments": [list(names) for names in self.fragments],
+            "versions": list(self.versions),
+            "sync_every": self.sync_every,
+            "overlap": self.overlap,
+            "quorum": self.quorum,
+        }
+
+    @classmethod
+    def from_body(cls, b: _Body, limits: Limits) -> Plan:
+        incarnation = b.text("incarnation", MAX_INCARNATION_BYTES)
+        model = parse_model(b.raw.get("model"), limits)
+        fragments = _parse_fragments(b, model, limits)
+        versions = b._get("versions", list)
+        if len(versions) != len(fragments) or not all(type(v) is int and 0 <= v <= U64_MAX for v in versions):
+            raise _malformed(f"PLAN.versions: one u64 per fragment ({len(fragments)}) expected")
+        sync_every = b.uint("sync_every", U32_MAX)
+        overlap = b.uint("overlap", U32_MAX)
+        quorum = b.uint("quorum", U32_MAX)
+        if sync_every < 1 or quorum < 1:
+            raise _malformed("PLAN: sync_every and quorum must be at least 1")
+        return cls(incarnation, model, fragments, tuple(versions), sync_every, overlap, quorum)
+
+
+def _parse_fragments(b: _Body, model: tuple[ModelEntry, ...], limits: Limits) -> tuple[tuple[str, ...], ...]:
+    """PLAN.fragments: first its shape (MALFORMED_BODY, or LIMIT_EXCEEDED for too many), then
+    whether it partitions the model's names into non-empty fragments (BAD_MANIFEST)."""
+    raw = b._get("fragments", list)
+    if len(raw) > limits.max_fragments:
+        raise RemoteProtocolError(
+            ErrorCode.LIMIT_EXCEEDED, f"PLAN declares {len(raw)} fragments, limit {limits.max_fragments}"
+        )
+    if not raw:
+        raise _malformed("PLAN.fragments: at least one fragment expected")
+    # A name longer than max_name_bytes is in no model; refusing it here also keeps what an error
+    # message may quote short.
+    if not all(
+        isinstance(names, list)
+        and all(isinstance(n, str) and len(n.encode()) <= limits.max_name_bytes for n in names)
+        for names in raw
+    ):
+        raise _malformed(
+            f"PLAN.fragments: each must be an array of names of at most {limits.max_name_bytes} bytes"
+        )
+    known = {entry.name for entry in model}
+    placed: set[str] = set()
+    for index, names in enumerate(raw):
+        if not names:
+            raise RemoteProtocolError(ErrorCode.BAD_MANIFEST, f"fragment {index} is empty")
+        for name in names:
+            if name not in known:
+                raise RemoteProtocolError(ErrorCode.BAD_MANIFEST, f"fragment {index}: unknown name {name!r}")
+            if name in placed:
+                raise RemoteProtocolError(
+                    ErrorCode.BAD_MANIFEST, f"fragment {index}: {name!r} is already in another fragment"
+                )
+            placed.add(name)
+    if len(placed) != len(known):
+        missing = next(entry.name for entry in model if entry.name not in placed)
+        raise RemoteProtocolError(ErrorCode.BAD_MANIFEST, f"{missing!r} is in no fragment")
+    return tuple(tuple(names) for names in raw)
 
 
 @dataclass(frozen=True, slots=True)
@@ -443,6 +544,8 @@ Message = (
     | Welcome
     | StepReport
     | FragmentRequest
+    | Join
+    | Plan
     | PushHeader
     | UpdateHeader
     | FragmentEnd
@@ -464,6 +567,8 @@ MESSAGE_TYPES: dict[FrameType, Any] = {
         Welcome,
         StepReport,
         FragmentRequest,
+        Join,
+        Plan,
         PushHeader,
         UpdateHeader,
         FragmentEnd,

@@ -46,7 +46,10 @@ HANDSHAKE_SEND: dict[tuple[Role, State, F], State] = {
 
 _ANY_OPEN = frozenset({F.PING, F.PONG, F.GOODBYE, F.ERROR, F.CHUNK, F.STREAM_RESET})
 #: Frames the client sends on an open control connection (the server receives the same set).
+#: Where JOIN falls in a session (first, once) is not a per-frame rule: the syncer enforces it
+#: with NOT_JOINED (protocol/SPEC.md §4.4), this table only says which side may send it.
 CLIENT_CONTROL = _ANY_OPEN | {
+    F.JOIN,
     F.STEP_REPORT,
     F.PUSH_HEADER,
     F.FRAGMENT_END,
@@ -55,6 +58,7 @@ CLIENT_CONTROL = _ANY_OPEN | {
 }
 #: Frames the server sends on an open control connection (the client receives the same set).
 SERVER_CONTROL = _ANY_OPEN | {
+    F.PLAN,
     F.FRAGMENT_REQUEST,
     F.UPDATE_HEADER,
     F.FRAGMENT_END,

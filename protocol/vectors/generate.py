@@ -44,7 +44,7 @@ from dilocod.wire.frames import (
     encode_header,
 )
 from dilocod.wire.limits import DEFAULT_LIMITS, chunk_payload_bound
-from dilocod.wire.manifest import pack_manifest
+from dilocod.wire.manifest import ModelEntry, pack_manifest
 from dilocod.wire.messages import (
     Error,
     FragmentAck,
@@ -52,8 +52,10 @@ from dilocod.wire.messages import (
     FragmentRequest,
     Goodbye,
     Hello,
+    Join,
     Message,
     Ping,
+    Plan,
     Pong,
     PushHeader,
     StatusRequest,
@@ -528,6 +530,23 @@ def _transfers() -> tuple[_Transfer, _Transfer]:
     return push, update
 
 
+def _join_and_plan() -> tuple[Join, Plan]:
+    """A learner restarting after the syncer did, and the syncer's answer. The model is the four
+    tensors of the two transfers, in module order; the two fragments are what DESIGN.md §3.1's
+    balanced plan makes of them (the largest tensor alone, the other three together)."""
+    push, update = _transfers()
+    model = tuple(
+        ModelEntry(e.name, e.dtype, e.shape) for e in (*push.header.manifest, *update.header.manifest)
+    )
+    join = Join(model, incarnation="inc-0000")
+    fragments = (
+        ("blocks.0.attn.weight",),
+        ("blocks.0.mlp.weight", "blocks.0.attn.bias", "blocks.0.ln.weight"),
+    )
+    plan = Plan("inc-0001", model, fragments, versions=(7, 6), sync_every=24, overlap=2, quorum=1)
+    return join, plan
+
+
 def _chunk_vector(name: str, transfer: _Transfer, seq: int, receiver: str) -> dict[str, Any]:
     chunk, payload = transfer.chunks[seq]
     start = seq * transfer.header.chunk_bytes
@@ -586,6 +605,7 @@ def build_valid() -> dict[str, Any]:
     server_control, client_control = "control_hmac:server:open", "control_hmac:client:open"
     server_data, client_data = "data_hmac:server:open", "data_hmac:client:open"
     push, update = _transfers()
+    join, plan = _join_and_plan()
     status = {
         "role": "syncer", "incarnation": "inc-0001", "round": 130, "fragments": 24,
         "learners": ["learner-3"], "versions": [7, 6], "quorum": 1, "grace_s": 0.125,
@@ -595,6 +615,8 @@ def build_valid() -> dict[str, Any]:
     received, went_away = "MessageReceived", "PeerWentAway"
     # fmt: off
     table: list[tuple[str, Message, int, str, str]] = [
+        ("join", join, 0, server_control, received),
+        ("plan", plan, 0, client_control, received),
         ("step_report", StepReport(1200, 4_915_200, 0.25), 0, server_control, received),
         ("fragment_request", FragmentRequest(5, 130, 6), 0, client_control, received),
         ("push_header", push.header, 1, server_control, received),
@@ -683,6 +705,8 @@ def _connection_vectors() -> list[dict[str, Any]]:
         raise RuntimeError("the data handshake starts without a HELLO")
     push, _ = _transfers()
     push_body = push.header.to_body()
+    join, plan = _join_and_plan()
+    join_body, plan_body = join.to_body(), plan.to_body()
     limits = DEFAULT_LIMITS
     lim = limits.max_chunk_bytes
     F = FrameType
@@ -692,6 +716,12 @@ def _connection_vectors() -> list[dict[str, Any]]:
 
     def push_with(**changes: object) -> bytes:
         return raw_frame(F.PUSH_HEADER, packb({**push_body, **changes}), 1)
+
+    def join_with(**changes: object) -> bytes:
+        return raw_frame(F.JOIN, packb({**join_body, **changes}))
+
+    def plan_with(**changes: object) -> bytes:
+        return raw_frame(F.PLAN, packb({**plan_body, **changes}))
 
     def chunk_head(
         raw_length: int, codec: int, shuffle: int, payload_length: int, reserved: int = 0
@@ -714,8 +744,12 @@ def _connection_vectors() -> list[dict[str, Any]]:
     await_response = "control_hmac:server:await_response"
     await_welcome = "control_hmac:client:await_welcome"
     server_open = "control_hmac:server:open"
+    client_open = "control_hmac:client:open"
     data_open = "data_hmac:server:open"
     E = ErrorCode
+    model = [e.to_wire() for e in join.model]
+    ln = "blocks.0.ln.weight"
+    *fragment_0, fragment_1 = plan_body["fragments"]
     # fmt: off
     table: list[tuple[str, str, ErrorCode, str, bytes]] = [
         # --- the 16-byte header, checked before any body is buffered (SPEC §2)
@@ -742,6 +776,8 @@ def _connection_vectors() -> list[dict[str, Any]]:
          raw_header(F.PING, 0, limits.max_message_bytes + 1)),
         ("header_body_above_limit", server_open, E.FRAME_TOO_LARGE, "PUSH_HEADER declaring 4 MiB + 1 bytes",
          raw_header(F.PUSH_HEADER, 1, limits.max_control_body_bytes + 1)),
+        ("join_body_above_limit", server_open, E.FRAME_TOO_LARGE, "JOIN declaring 4 MiB + 1 bytes",
+         raw_header(F.JOIN, 0, limits.max_control_body_bytes + 1)),
         ("chunk_body_above_bound", data_open, E.FRAME_TOO_LARGE,
          "CHUNK body of 20 + the payload bound of max_chunk_bytes, plus 1",
          raw_header(F.CHUNK, 1, CHUNK_HEADER.size + chunk_payload_bound(lim) + 1)),
@@ -760,6 +796,12 @@ def _connection_vectors() -> list[dict[str, Any]]:
          raw_header(F.STEP_REPORT, 0, 40)),
         ("fragment_end_on_data_connection", data_open, E.UNEXPECTED_FRAME,
          "FRAGMENT_END travels on the control connection only", raw_header(F.FRAGMENT_END, 1, 20)),
+        ("plan_from_client", server_open, E.UNEXPECTED_FRAME, "only the server sends PLAN",
+         raw_header(F.PLAN, 0, len(packb(plan_body)))),
+        ("join_from_server", client_open, E.UNEXPECTED_FRAME, "only the client sends JOIN",
+         raw_header(F.JOIN, 0, len(packb(join_body)))),
+        ("join_on_data_connection", data_open, E.UNEXPECTED_FRAME,
+         "JOIN travels on the control connection only", raw_header(F.JOIN, 0, len(packb(join_body)))),
         # --- control bodies (SPEC §4)
         ("hello_truncated_msgpack", await_hello, E.MALFORMED_BODY, "HELLO whose map ends 7 bytes early",
          truncated),
@@ -797,6 +839,37 @@ def _connection_vectors() -> list[dict[str, Any]]:
         ("fragment_end_too_many_chunks", server_open, E.MALFORMED_BODY,
          "more chunks than max_fragment_bytes / min_chunk_bytes",
          raw_frame(F.FRAGMENT_END, packb({"chunks": limits.max_chunks_per_fragment() + 1, "digest": 0}), 1)),
+        # --- JOIN and PLAN bodies (SPEC §4.3): model entries are BAD_MANIFEST, structure MALFORMED_BODY
+        ("join_unknown_dtype", server_open, E.BAD_MANIFEST, "a parameter of dtype float8",
+         join_with(model=[*model[:3], [ln, "float8", [16]]])),
+        ("join_duplicate_name", server_open, E.BAD_MANIFEST, "the same parameter name twice",
+         join_with(model=[*model, model[0]])),
+        ("join_empty_model", server_open, E.BAD_MANIFEST, "a model without parameters",
+         join_with(model=[])),
+        ("join_entry_with_offset", server_open, E.BAD_MANIFEST,
+         "a stream manifest entry [name, dtype, shape, offset] where a model entry has three fields",
+         join_with(model=[[ln, "float32", [16], 0]])),
+        ("join_tensor_above_fragment_limit", server_open, E.BAD_MANIFEST,
+         "a float32 tensor of 65536 x 65537 elements: 256 KiB above max_fragment_bytes (16 GiB)",
+         join_with(model=[[ln, "float32", [65536, 65537]]])),
+        ("join_incarnation_too_long", server_open, E.MALFORMED_BODY, "incarnation of 129 bytes",
+         join_with(incarnation="i" * 129)),
+        ("plan_name_in_two_fragments", client_open, E.BAD_MANIFEST,
+         "blocks.0.attn.weight in fragment 0 and again in fragment 1",
+         plan_with(fragments=[*fragment_0, [*fragment_1, fragment_0[0][0]]])),
+        ("plan_name_in_no_fragment", client_open, E.BAD_MANIFEST, "blocks.0.ln.weight left out",
+         plan_with(fragments=[*fragment_0, fragment_1[:-1]])),
+        ("plan_unknown_name", client_open, E.BAD_MANIFEST, "a fragment names a parameter the model lacks",
+         plan_with(fragments=[*fragment_0, [*fragment_1, "blocks.1.ln.weight"]])),
+        ("plan_empty_fragment", client_open, E.BAD_MANIFEST, "a third fragment with no parameters",
+         plan_with(fragments=[*fragment_0, fragment_1, []], versions=[7, 6, 0])),
+        ("plan_no_fragments", client_open, E.MALFORMED_BODY, "fragments is an empty array",
+         plan_with(fragments=[], versions=[])),
+        ("plan_versions_length_differs", client_open, E.MALFORMED_BODY, "three versions for two fragments",
+         plan_with(versions=[7, 6, 5])),
+        ("plan_sync_every_zero", client_open, E.MALFORMED_BODY, "sync_every (H) 0",
+         plan_with(sync_every=0)),
+        ("plan_quorum_zero", client_open, E.MALFORMED_BODY, "quorum (K) 0", plan_with(quorum=0)),
         # --- handshake and authentication (SPEC §7)
         ("auth_response_wrong_mac", await_response, E.AUTH_FAILED, "32 zero bytes instead of the proof",
          raw_frame(F.AUTH_RESPONSE, packb({"mac": bytes(32)}))),

@@ -36,7 +36,7 @@ from dilocod.wire.frames import (
     max_body_bytes,
 )
 from dilocod.wire.limits import KiB, Limits
-from dilocod.wire.manifest import pack_manifest
+from dilocod.wire.manifest import ModelEntry, pack_manifest
 from dilocod.wire.messages import (
     AuthChallenge,
     AuthResponse,
@@ -46,8 +46,10 @@ from dilocod.wire.messages import (
     FragmentRequest,
     Goodbye,
     Hello,
+    Join,
     Message,
     Ping,
+    Plan,
     Pong,
     PushHeader,
     StatusRequest,
@@ -70,6 +72,7 @@ TID = 7  # a transfer id
 CLOSING = frozenset({FrameType.ERROR, FrameType.GOODBYE})
 
 _ENTRIES, _RAW = pack_manifest([("w", "float32", [4, 4]), ("b", "bfloat16", [3])])
+_MODEL = (ModelEntry("w", "float32", (4, 4)), ModelEntry("b", "bfloat16", (3,)))
 #: One well-formed message for every frame type but CHUNK.
 SAMPLES: dict[FrameType, Message] = {
     FrameType.HELLO: Hello(1, 1, "control", "learner", "x", bytes(32)),
@@ -78,6 +81,8 @@ SAMPLES: dict[FrameType, Message] = {
     FrameType.WELCOME: Welcome(bytes(16), "syncer", "inc", b""),
     FrameType.STEP_REPORT: StepReport(10, 4096, 0.25),
     FrameType.FRAGMENT_REQUEST: FragmentRequest(2, 5, 4),
+    FrameType.JOIN: Join(_MODEL, "inc-0"),
+    FrameType.PLAN: Plan("inc-1", _MODEL, (("w",), ("b",)), (6, 5), 24, 2, 1),
     FrameType.PUSH_HEADER: PushHeader(tuple(_ENTRIES), _RAW, "zstd", 4096, 2, 5, 4, 100, 409_600),
     FrameType.UPDATE_HEADER: UpdateHeader(tuple(_ENTRIES), _RAW, "lz4", 4096, 2, 6),
     FrameType.FRAGMENT_ACK: FragmentAck(),
@@ -96,6 +101,7 @@ SAMPLES: dict[FrameType, Message] = {
 #: are tested on their own.
 EXPECTED_OPEN_SENDS: dict[tuple[Role, str], set[FrameType]] = {
     (Role.CLIENT, "control"): {
+        FrameType.JOIN,
         FrameType.STEP_REPORT,
         FrameType.PUSH_HEADER,
         FrameType.FRAGMENT_END,
@@ -106,6 +112,7 @@ EXPECTED_OPEN_SENDS: dict[tuple[Role, str], set[FrameType]] = {
         FrameType.STREAM_RESET,
     },
     (Role.SERVER, "control"): {
+        FrameType.PLAN,
         FrameType.FRAGMENT_REQUEST,
         FrameType.UPDATE_HEADER,
         FrameType.FRAGMENT_END,

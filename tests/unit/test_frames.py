@@ -79,6 +79,8 @@ def test_frame_type_numbers_are_pinned() -> None:
         "PUSH_HEADER": 0x12,
         "UPDATE_HEADER": 0x13,
         "FRAGMENT_ACK": 0x14,
+        "JOIN": 0x15,
+        "PLAN": 0x16,
         "PING": 0x20,
         "PONG": 0x21,
         "STATUS_REQUEST": 0x22,
@@ -91,13 +93,52 @@ def test_frame_type_numbers_are_pinned() -> None:
     }
 
 
+def test_error_code_numbers_are_pinned() -> None:
+    """Codes travel in ERROR and STREAM_RESET: appended, never renumbered (SPEC §9)."""
+    assert {c.name: c.value for c in ErrorCode} == {
+        "BAD_MAGIC": 1,
+        "UNSUPPORTED_VERSION": 2,
+        "FRAME_TOO_LARGE": 3,
+        "UNKNOWN_FRAME_TYPE": 4,
+        "UNEXPECTED_FRAME": 5,
+        "MALFORMED_BODY": 6,
+        "BAD_RESERVED": 7,
+        "AUTH_REQUIRED": 8,
+        "AUTH_FAILED": 9,
+        "CHECKSUM_MISMATCH": 10,
+        "LENGTH_MISMATCH": 11,
+        "LIMIT_EXCEEDED": 12,
+        "UNSUPPORTED_CODEC": 13,
+        "UNKNOWN_TRANSFER": 14,
+        "DUPLICATE_TRANSFER": 15,
+        "DIGEST_MISMATCH": 16,
+        "BAD_MANIFEST": 17,
+        "TRUNCATED": 18,
+        "TIMEOUT": 19,
+        "UNKNOWN_SESSION": 20,
+        "TRANSFER_ABORTED": 21,
+        "SHUTTING_DOWN": 22,
+        "INTERNAL": 23,
+        "MODEL_MISMATCH": 24,
+        "NOT_REQUESTED": 25,
+        "STALE_VERSION": 26,
+        "NOT_JOINED": 27,
+    }
+
+
 def test_body_caps_by_frame_type() -> None:
     limits = Limits(max_handshake_body_bytes=1000, max_control_body_bytes=50_000, max_message_bytes=2000)
     for frame_type in FrameType:
         open_cap = max_body_bytes(frame_type, limits, handshaking=False)
         if frame_type is FrameType.CHUNK:
             assert open_cap == CHUNK_HEADER_BYTES + chunk_payload_bound(limits.max_chunk_bytes)
-        elif frame_type in (FrameType.PUSH_HEADER, FrameType.UPDATE_HEADER, FrameType.STATUS_RESPONSE):
+        elif frame_type in (
+            FrameType.PUSH_HEADER,
+            FrameType.UPDATE_HEADER,
+            FrameType.JOIN,
+            FrameType.PLAN,
+            FrameType.STATUS_RESPONSE,
+        ):
             assert open_cap == 50_000
         else:
             assert open_cap == 2000
@@ -161,6 +202,17 @@ BAD_HEADERS = [
         ErrorCode.FRAME_TOO_LARGE,
         id="push-header-cap+1",
     ),
+    pytest.param(
+        header(FrameType.JOIN, 0, LIMITS.max_control_body_bytes + 1),
+        ErrorCode.FRAME_TOO_LARGE,
+        id="join-cap+1",
+    ),
+    pytest.param(
+        header(FrameType.PLAN, 0, LIMITS.max_control_body_bytes + 1),
+        ErrorCode.FRAME_TOO_LARGE,
+        id="plan-cap+1",
+    ),
+    pytest.param(header(FrameType.JOIN, TID, 100), ErrorCode.MALFORMED_BODY, id="stream-id-on-join"),
     pytest.param(
         header(FrameType.CHUNK, TID, CHUNK_HEADER_BYTES + chunk_payload_bound(LIMITS.max_chunk_bytes) + 1),
         ErrorCode.FRAME_TOO_LARGE,

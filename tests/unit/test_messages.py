@@ -1,5 +1,8 @@
 """Control message bodies (msgpack) and the tensor manifest inside fragment stream headers.
 
+(JOIN and PLAN round trips live here with every other message; their model and partition rules
+are tested in test_join.py.)
+
 Round trips of every message type over the whole documented range of each field (hypothesis),
 the bounds each decoder enforces, and arbitrary bodies that must decode or raise
 RemoteProtocolError and nothing else.
@@ -7,6 +10,7 @@ RemoteProtocolError and nothing else.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import msgpack
@@ -17,10 +21,18 @@ from hypothesis import strategies as st
 from dilocod.wire.errors import ErrorCode, RemoteProtocolError
 from dilocod.wire.frames import CODECS_BY_NAME, FrameType
 from dilocod.wire.limits import Limits
-from dilocod.wire.manifest import DTYPE_SIZES, PACK_ALIGNMENT, TensorEntry, pack_manifest, parse_manifest
+from dilocod.wire.manifest import (
+    DTYPE_SIZES,
+    PACK_ALIGNMENT,
+    ModelEntry,
+    TensorEntry,
+    pack_manifest,
+    parse_manifest,
+)
 from dilocod.wire.messages import (
     AUTH_METHODS,
     MAC_BYTES,
+    MAX_INCARNATION_BYTES,
     MESSAGE_TYPES,
     NONCE_BYTES,
     SESSION_ID_BYTES,
@@ -32,8 +44,10 @@ from dilocod.wire.messages import (
     FragmentRequest,
     Goodbye,
     Hello,
+    Join,
     Message,
     Ping,
+    Plan,
     Pong,
     PushHeader,
     StatusRequest,
@@ -110,6 +124,42 @@ def manifests(draw: st.DrawFn) -> tuple[tuple[TensorEntry, ...], int]:
     return tuple(entries), floor + draw(st.integers(0, 10_000))
 
 
+#: Shapes of every rank that fit one fragment whatever the dtype (12^8 x 8 bytes < 16 GiB), and
+#: empty tensors whose other dimension is as large as a dimension may be.
+model_shapes = st.one_of(
+    st.lists(st.integers(0, 12), max_size=LIMITS.max_tensor_rank),
+    st.tuples(st.just(0), uint(LIMITS.max_fragment_bytes)).map(list),
+).map(tuple)
+
+
+@st.composite
+def models(draw: st.DrawFn) -> tuple[ModelEntry, ...]:
+    """A JOIN or PLAN model: 1..8 uniquely named parameters of any dtype and rank."""
+    names = draw(st.lists(text(64, min_size=1), min_size=1, max_size=8, unique=True))
+    return tuple(
+        ModelEntry(name, draw(st.sampled_from(sorted(DTYPE_SIZES))), draw(model_shapes)) for name in names
+    )
+
+
+@st.composite
+def plans(draw: st.DrawFn) -> Plan:
+    """A PLAN whose fragments cut a shuffled model into 1..len(model) non-empty runs."""
+    model = draw(models())
+    names = draw(st.permutations([e.name for e in model]))
+    cuts = draw(st.sets(st.integers(1, max(1, len(names) - 1)), max_size=len(names) - 1))
+    bounds = [0, *sorted(cuts), len(names)]
+    fragments = tuple(tuple(names[a:b]) for a, b in itertools.pairwise(bounds))
+    return Plan(
+        draw(text(MAX_INCARNATION_BYTES)),
+        model,
+        fragments,
+        tuple(draw(st.lists(uint(U64), min_size=len(fragments), max_size=len(fragments)))),
+        draw(st.integers(1, U32)),
+        draw(uint(U32)),
+        draw(st.integers(1, U32)),
+    )
+
+
 @st.composite
 def push_headers(draw: st.DrawFn) -> PushHeader:
     manifest, raw_bytes = draw(manifests())
@@ -162,6 +212,8 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     ),
     StepReport: st.builds(StepReport, uint(U64), uint(U64), finite),
     FragmentRequest: st.builds(FragmentRequest, uint(U32), uint(U64), uint(U64)),
+    Join: st.builds(Join, models(), text(MAX_INCARNATION_BYTES)),
+    Plan: plans(),
     PushHeader: push_headers(),
     UpdateHeader: update_headers(),
     FragmentEnd: st.builds(FragmentEnd, uint(LIMITS.max_chunks_per_fragment()), uint(U64)),
@@ -202,6 +254,8 @@ def body(message: Message, **changes: object) -> bytes:
 
 
 HELLO = Hello(1, 1, "control", "learner", "a", bytes(NONCE_BYTES))
+JOIN = Join((ModelEntry("w", "float32", (8,)), ModelEntry("b", "bfloat16", ())), "inc-0")
+PLAN = Plan("inc-1", JOIN.model, (("w",), ("b",)), (3, 4), 24, 2, 1)
 ENTRIES, RAW = pack_manifest([("w", "float32", [8])])
 PUSH = PushHeader(tuple(ENTRIES), RAW, "zstd", LIMITS.min_chunk_bytes, 1)
 
@@ -255,6 +309,24 @@ MALFORMED = [
         FrameType.PUSH_HEADER, body(PUSH, raw_bytes=LIMITS.max_fragment_bytes + 1), id="raw-above-max"
     ),
     pytest.param(FrameType.PUSH_HEADER, body(PUSH, fragment=U32 + 1), id="fragment-above-u32"),
+    pytest.param(FrameType.JOIN, body(JOIN, incarnation="i" * 129), id="join-incarnation-129-bytes"),
+    pytest.param(FrameType.JOIN, body(JOIN, incarnation=KeyError), id="join-without-incarnation"),
+    pytest.param(FrameType.PLAN, body(PLAN, incarnation=b"inc-1"), id="plan-incarnation-bin"),
+    pytest.param(FrameType.PLAN, body(PLAN, fragments=KeyError), id="plan-without-fragments"),
+    pytest.param(FrameType.PLAN, body(PLAN, fragments=[]), id="plan-no-fragments"),
+    pytest.param(FrameType.PLAN, body(PLAN, fragments=["w", "b"]), id="plan-fragment-not-an-array"),
+    pytest.param(FrameType.PLAN, body(PLAN, fragments=[["w"], [b"b"]]), id="plan-bin-name"),
+    pytest.param(FrameType.PLAN, body(PLAN, fragments=[["w"], ["b" * 1025]]), id="plan-name-1025-bytes"),
+    pytest.param(FrameType.PLAN, body(PLAN, versions=[3]), id="plan-too-few-versions"),
+    pytest.param(FrameType.PLAN, body(PLAN, versions=[3, 4, 5]), id="plan-too-many-versions"),
+    pytest.param(FrameType.PLAN, body(PLAN, versions=[3, -1]), id="plan-negative-version"),
+    pytest.param(FrameType.PLAN, body(PLAN, versions=[3, True]), id="plan-bool-version"),
+    pytest.param(FrameType.PLAN, body(PLAN, versions=KeyError), id="plan-without-versions"),
+    pytest.param(FrameType.PLAN, body(PLAN, sync_every=0), id="plan-sync-every-0"),
+    pytest.param(FrameType.PLAN, body(PLAN, sync_every=U32 + 1), id="plan-sync-every-above-u32"),
+    pytest.param(FrameType.PLAN, body(PLAN, overlap=-1), id="plan-negative-overlap"),
+    pytest.param(FrameType.PLAN, body(PLAN, quorum=0), id="plan-quorum-0"),
+    pytest.param(FrameType.PLAN, body(PLAN, quorum=1.0), id="plan-float-quorum"),
     pytest.param(
         FrameType.FRAGMENT_END,
         body(FragmentEnd(1, 0), chunks=LIMITS.max_chunks_per_fragment() + 1),
@@ -317,6 +389,8 @@ def _field_names() -> list[str]:
         Welcome(bytes(16), "s", "i", b""),
         StepReport(1, 1, 1.0),
         FragmentRequest(1, 1, 1),
+        JOIN,
+        PLAN,
         PUSH,
         UpdateHeader((), 0, "none", 4096),
         FragmentEnd(1, 1),

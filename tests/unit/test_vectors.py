@@ -15,6 +15,7 @@ import hashlib
 import hmac
 import importlib.util
 import json
+import re
 import struct
 import sys
 from collections.abc import Callable, Iterator
@@ -123,6 +124,51 @@ def test_vector_sets_are_large_and_names_unique() -> None:
         if "raw_hex" in v["decoded"]
     }
     assert {("lz4", 4), ("zstd", 4), ("none", 0)} <= codecs_seen
+
+
+def test_join_vectors_are_picked_up() -> None:
+    """JOIN and PLAN (SPEC §4.3, §4.4) have valid vectors in the right receiving states, and the
+    faults the spec names for them have invalid ones."""
+    assert (BY_NAME["join"]["frame_type"], BY_NAME["join"]["receiver"]) == (
+        "JOIN",
+        "control_hmac:server:open",
+    )
+    assert (BY_NAME["plan"]["frame_type"], BY_NAME["plan"]["receiver"]) == (
+        "PLAN",
+        "control_hmac:client:open",
+    )
+    assert {param.id for param in VALID_PARAMS} >= {"join", "plan"}
+    errors = {v["name"]: v["error"] for v in INVALID["vectors"]}
+    assert {
+        name: errors.get(name)
+        for name in (
+            "plan_from_client",
+            "join_from_server",
+            "join_on_data_connection",
+            "plan_name_in_two_fragments",
+            "plan_versions_length_differs",
+            "join_unknown_dtype",
+            "join_duplicate_name",
+        )
+    } == {
+        "plan_from_client": "UNEXPECTED_FRAME",
+        "join_from_server": "UNEXPECTED_FRAME",
+        "join_on_data_connection": "UNEXPECTED_FRAME",
+        "plan_name_in_two_fragments": "BAD_MANIFEST",
+        "plan_versions_length_differs": "MALFORMED_BODY",
+        "join_unknown_dtype": "BAD_MANIFEST",
+        "join_duplicate_name": "BAD_MANIFEST",
+    }
+
+
+def test_readme_counts_match_the_files() -> None:
+    rows = re.findall(
+        r"^\| `(\w+)\.json` +\| `(\w+)` +\| +(\d+) +\|$", (VECTORS_DIR / "README.md").read_text(), re.M
+    )
+    files = {"valid": VALID, "invalid": INVALID}
+    listed = {(f, array): int(n) for f, array, n in rows}
+    actual = {(f, k): len(v) for f, doc in files.items() for k, v in doc.items() if isinstance(v, list)}
+    assert listed == actual
 
 
 # ----------------------------------------------------------------------------- frame-level decoding

@@ -1,0 +1,421 @@
+"""JOIN and PLAN: the model each side declares, the partition a PLAN must be, and the join sequence.
+
+Round trips of both messages are in test_messages.py with every other message; here are the rules
+particular to them (which fault is BAD_MANIFEST, MALFORMED_BODY or LIMIT_EXCEEDED, the bounds on
+tensors and fragments), arbitrary models that must parse or be refused, the join sequence of
+protocol/SPEC.md §4.4 between two connected cores (JOIN, PLAN, one healing UPDATE_HEADER transfer
+per fragment, then a round), and the line between the wire core and the syncer: the application
+codes 24 to 27 are never raised by the core.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dilocod.wire
+from dilocod.wire import codecs
+from dilocod.wire.connection import Connection
+from dilocod.wire.errors import ErrorCode, RemoteProtocolError
+from dilocod.wire.events import ChunkReceived, Event, MessageReceived, PeerWentAway
+from dilocod.wire.frames import ChunkHeader, Codec, FrameType, encode_header
+from dilocod.wire.limits import Limits
+from dilocod.wire.manifest import DTYPE_SIZES, ModelEntry, pack_manifest, parse_model
+from dilocod.wire.messages import (
+    FragmentAck,
+    FragmentEnd,
+    FragmentRequest,
+    Join,
+    Plan,
+    PushHeader,
+    StepReport,
+    StreamReset,
+    UpdateHeader,
+    decode_body,
+    encode_body,
+)
+from dilocod.wire.states import State
+from dilocod.wire.stream import FragmentAssembled, InboundStreams
+
+Shuttle = Callable[[Connection, Connection], list[Event]]
+Connect = Callable[..., tuple[Connection, Connection]]
+LIMITS = Limits()
+MAX_FRAGMENT_BYTES = LIMITS.max_fragment_bytes
+
+MODEL = (
+    ModelEntry("embed.weight", "bfloat16", (128, 32)),
+    ModelEntry("blocks.0.weight", "float32", (16, 16)),
+    ModelEntry("blocks.0.bias", "float32", (16,)),
+    ModelEntry("head.scale", "float32", ()),
+)
+PLAN = Plan(
+    "inc-2",
+    MODEL,
+    (("blocks.0.weight", "head.scale"), ("embed.weight", "blocks.0.bias")),
+    (11, 9),
+    24,
+    2,
+    1,
+)
+WIRE_MODEL = [e.to_wire() for e in MODEL]
+
+
+def packed(message: Join | Plan, **changes: object) -> bytes:
+    raw = message.to_body()
+    for key, value in changes.items():
+        if value is KeyError:
+            del raw[key]
+        else:
+            raw[key] = value
+    return msgpack.packb(raw, use_bin_type=True)
+
+
+def refused(frame_type: FrameType, raw: bytes, limits: Limits = LIMITS) -> ErrorCode:
+    with pytest.raises(RemoteProtocolError) as info:
+        decode_body(frame_type, raw, limits)
+    return info.value.code
+
+
+# ------------------------------------------------------------------------------------ model
+
+
+def test_model_entry_size_and_wire_form() -> None:
+    assert [e.nbytes for e in MODEL] == [8192, 1024, 64, 4]
+    assert MODEL[3].to_wire() == ["head.scale", "float32", []]
+    assert parse_model(WIRE_MODEL, LIMITS) == MODEL
+
+
+def test_model_bounds_are_inclusive() -> None:
+    """A tensor of exactly max_fragment_bytes fits a fragment; one more element does not. An empty
+    tensor may have dimensions up to max_fragment_bytes."""
+    assert parse_model([["a", "int8", [MAX_FRAGMENT_BYTES]]], LIMITS) == (
+        ModelEntry("a", "int8", (MAX_FRAGMENT_BYTES,)),
+    )
+    assert parse_model([["a", "float32", [0, MAX_FRAGMENT_BYTES]]], LIMITS)[0].nbytes == 0
+    assert parse_model([["a", "float32", [MAX_FRAGMENT_BYTES // 4]]], LIMITS)[0].nbytes == MAX_FRAGMENT_BYTES
+    with pytest.raises(RemoteProtocolError) as info:
+        parse_model([["a", "float32", [MAX_FRAGMENT_BYTES // 4 + 1]]], LIMITS)
+    assert info.value.code is ErrorCode.BAD_MANIFEST
+    rank_8 = parse_model([["a", "int8", [1] * LIMITS.max_tensor_rank]], LIMITS)
+    assert rank_8[0].shape == (1,) * 8
+
+
+BAD_MODELS = [
+    pytest.param(None, ErrorCode.BAD_MANIFEST, id="missing"),
+    pytest.param({"a": 1}, ErrorCode.BAD_MANIFEST, id="not-an-array"),
+    pytest.param([], ErrorCode.BAD_MANIFEST, id="empty"),
+    pytest.param([["a", "int8"]], ErrorCode.BAD_MANIFEST, id="two-fields"),
+    pytest.param([["a", "int8", [1], 0]], ErrorCode.BAD_MANIFEST, id="manifest-entry-with-offset"),
+    pytest.param(["a"], ErrorCode.BAD_MANIFEST, id="entry-not-an-array"),
+    pytest.param([["", "int8", [1]]], ErrorCode.BAD_MANIFEST, id="empty-name"),
+    pytest.param([[b"a", "int8", [1]]], ErrorCode.BAD_MANIFEST, id="bin-name"),
+    pytest.param([["n" * 1025, "int8", [1]]], ErrorCode.BAD_MANIFEST, id="name-1025-bytes"),
+    pytest.param([["a", "int8", [1]], ["a", "int8", [1]]], ErrorCode.BAD_MANIFEST, id="duplicate"),
+    pytest.param([["a", "float8", [1]]], ErrorCode.BAD_MANIFEST, id="unknown-dtype"),
+    pytest.param([["a", ["int8"], [1]]], ErrorCode.BAD_MANIFEST, id="list-dtype"),
+    pytest.param([["a", "int8", 1]], ErrorCode.BAD_MANIFEST, id="shape-not-an-array"),
+    pytest.param([["a", "int8", [1] * 9]], ErrorCode.BAD_MANIFEST, id="rank-9"),
+    pytest.param([["a", "int8", [-1]]], ErrorCode.BAD_MANIFEST, id="negative-dim"),
+    pytest.param([["a", "int8", [True]]], ErrorCode.BAD_MANIFEST, id="bool-dim"),
+    pytest.param([["a", "int8", [1.0]]], ErrorCode.BAD_MANIFEST, id="float-dim"),
+    pytest.param(
+        [["a", "int8", [MAX_FRAGMENT_BYTES + 1, 0]]], ErrorCode.BAD_MANIFEST, id="dim-above-fragment-bytes"
+    ),
+    pytest.param([["a", "int8", [2**32] * 8]], ErrorCode.BAD_MANIFEST, id="huge-product"),
+]
+
+
+@pytest.mark.parametrize(("raw", "code"), BAD_MODELS)
+def test_bad_model_is_refused(raw: object, code: ErrorCode) -> None:
+    with pytest.raises(RemoteProtocolError) as info:
+        parse_model(raw, LIMITS)
+    assert info.value.code is code
+    # The same model in a JOIN and in a PLAN is refused with the same code.
+    join = {"incarnation": ""} if raw is None else {"model": raw, "incarnation": ""}
+    assert refused(FrameType.JOIN, msgpack.packb(join, use_bin_type=True)) is code
+    assert refused(FrameType.PLAN, packed(PLAN, model=KeyError if raw is None else raw)) is code
+
+
+def test_model_limits() -> None:
+    limits = Limits(max_model_tensors=3, max_tensor_rank=2, max_name_bytes=4)
+    ok = [[f"t{i}", "int8", [1, 1]] for i in range(3)]
+    assert len(parse_model(ok, limits)) == 3
+    with pytest.raises(RemoteProtocolError) as info:
+        parse_model([None] * 4, limits)  # counted before any entry is looked at
+    assert info.value.code is ErrorCode.LIMIT_EXCEEDED
+    for bad in ([["t", "int8", [1, 1, 1]]], [["tensor", "int8", [1]]]):
+        with pytest.raises(RemoteProtocolError) as info:
+            parse_model(bad, limits)
+        assert info.value.code is ErrorCode.BAD_MANIFEST
+    with pytest.raises(RemoteProtocolError) as info:
+        parse_model([["a", "int8", [2000]]], Limits(max_fragment_bytes=1999))
+    assert info.value.code is ErrorCode.BAD_MANIFEST
+
+
+json_like = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=6),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=4), children, max_size=3)
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    raw=st.one_of(
+        json_like,
+        st.lists(
+            st.tuples(
+                st.one_of(st.text(max_size=4), json_like),
+                st.one_of(st.sampled_from(sorted(DTYPE_SIZES)), json_like),
+                st.one_of(st.lists(st.integers(-2, 2**40), max_size=9), json_like),
+            ).map(list),
+            max_size=5,
+        ),
+    )
+)
+def test_any_model_parses_or_is_refused(raw: object) -> None:
+    """A peer's model is decoded msgpack: anything at all."""
+    try:
+        entries = parse_model(raw, LIMITS)
+    except RemoteProtocolError as exc:
+        assert exc.code in (ErrorCode.BAD_MANIFEST, ErrorCode.LIMIT_EXCEEDED)
+        return
+    assert entries and len({e.name for e in entries}) == len(entries)
+    assert all(e.dtype in DTYPE_SIZES and e.nbytes <= LIMITS.max_fragment_bytes for e in entries)
+
+
+# ------------------------------------------------------------------------------------ plan
+
+
+def test_plan_decodes() -> None:
+    assert decode_body(FrameType.PLAN, encode_body(PLAN), LIMITS) == PLAN
+    # Fragments may list names in any order and need not follow the model's order.
+    shuffled = Plan(
+        "", MODEL, (("head.scale",), ("blocks.0.bias", "embed.weight", "blocks.0.weight")), (0, 0), 1, 0, 1
+    )
+    assert decode_body(FrameType.PLAN, encode_body(shuffled), LIMITS) == shuffled
+
+
+BAD_PLANS = [
+    # The partition of the model's names: BAD_MANIFEST.
+    pytest.param(
+        {"fragments": [["blocks.0.weight", "head.scale"], ["embed.weight", "blocks.0.bias", "head.scale"]]},
+        ErrorCode.BAD_MANIFEST,
+        id="name-in-two-fragments",
+    ),
+    pytest.param(
+        {
+            "fragments": [
+                ["blocks.0.weight", "blocks.0.weight"],
+                ["embed.weight", "blocks.0.bias", "head.scale"],
+            ]
+        },
+        ErrorCode.BAD_MANIFEST,
+        id="name-twice-in-one-fragment",
+    ),
+    pytest.param(
+        {"fragments": [["blocks.0.weight"], ["embed.weight", "blocks.0.bias"]]},
+        ErrorCode.BAD_MANIFEST,
+        id="name-in-no-fragment",
+    ),
+    pytest.param(
+        {
+            "fragments": [
+                ["blocks.0.weight", "head.scale"],
+                ["embed.weight", "blocks.0.bias", "lm_head.weight"],
+            ]
+        },
+        ErrorCode.BAD_MANIFEST,
+        id="unknown-name",
+    ),
+    pytest.param(
+        {
+            "fragments": [["blocks.0.weight", "head.scale"], ["embed.weight", "blocks.0.bias"], []],
+            "versions": [1, 2, 3],
+        },
+        ErrorCode.BAD_MANIFEST,
+        id="empty-fragment",
+    ),
+    # Its structure: MALFORMED_BODY.
+    pytest.param({"fragments": []}, ErrorCode.MALFORMED_BODY, id="no-fragments"),
+    pytest.param({"fragments": {"0": ["a"]}}, ErrorCode.MALFORMED_BODY, id="fragments-a-map"),
+    pytest.param({"fragments": [["blocks.0.weight", 3]]}, ErrorCode.MALFORMED_BODY, id="int-name"),
+    pytest.param(
+        # A structural fault anywhere wins over a partition fault earlier in the array.
+        {"fragments": [["blocks.0.weight", "blocks.0.weight"], [None]]},
+        ErrorCode.MALFORMED_BODY,
+        id="structure-checked-before-partition",
+    ),
+    pytest.param({"versions": [1]}, ErrorCode.MALFORMED_BODY, id="fewer-versions-than-fragments"),
+    pytest.param({"versions": [1, 2, 3]}, ErrorCode.MALFORMED_BODY, id="more-versions-than-fragments"),
+    pytest.param({"versions": [1, "2"]}, ErrorCode.MALFORMED_BODY, id="str-version"),
+    pytest.param({"versions": 1}, ErrorCode.MALFORMED_BODY, id="versions-not-an-array"),
+    pytest.param({"sync_every": 0}, ErrorCode.MALFORMED_BODY, id="sync-every-0"),
+    pytest.param({"quorum": 0}, ErrorCode.MALFORMED_BODY, id="quorum-0"),
+    pytest.param({"overlap": True}, ErrorCode.MALFORMED_BODY, id="bool-overlap"),
+    pytest.param({"incarnation": "i" * 129}, ErrorCode.MALFORMED_BODY, id="incarnation-129-bytes"),
+]
+
+
+@pytest.mark.parametrize(("changes", "code"), BAD_PLANS)
+def test_bad_plan_is_refused(changes: dict[str, object], code: ErrorCode) -> None:
+    assert refused(FrameType.PLAN, packed(PLAN, **changes)) is code
+
+
+def test_plan_limits() -> None:
+    names = [e.name for e in MODEL]
+    four = Plan("", MODEL, tuple((n,) for n in names), (0, 0, 0, 0), 4, 1, 2)
+    assert decode_body(FrameType.PLAN, encode_body(four), Limits(max_fragments=4)) == four
+    assert refused(FrameType.PLAN, encode_body(four), Limits(max_fragments=3)) is ErrorCode.LIMIT_EXCEEDED
+    # A name longer than any model may hold is refused as structure, whatever the model says.
+    long_name = packed(PLAN, fragments=[["blocks.0.weight", "head.scale"], ["embed.weight", "x" * 20]])
+    assert refused(FrameType.PLAN, long_name, Limits(max_name_bytes=16)) is ErrorCode.MALFORMED_BODY
+
+
+def test_join_fields() -> None:
+    join = Join(MODEL)
+    assert join.incarnation == ""
+    assert decode_body(FrameType.JOIN, encode_body(join), LIMITS) == join
+    assert list(join.to_body()) == ["model", "incarnation"]
+    assert list(PLAN.to_body()) == [
+        "incarnation", "model", "fragments", "versions", "sync_every", "overlap", "quorum",
+    ]  # fmt: skip
+    at_cap = Join(MODEL, "é" * 64)  # 128 bytes of UTF-8
+    assert decode_body(FrameType.JOIN, encode_body(at_cap), LIMITS) == at_cap
+
+
+# ---------------------------------------------------------------------- the join sequence
+
+
+def fragment_bytes(plan: Plan, index: int) -> tuple[UpdateHeader, bytes]:
+    """What a syncer sends to heal one fragment: its tensors in fragment order, packed."""
+    by_name = {e.name: e for e in plan.model}
+    tensors = [(n, by_name[n].dtype, by_name[n].shape) for n in plan.fragments[index]]
+    entries, raw_bytes = pack_manifest(tensors)
+    header = UpdateHeader(
+        tuple(entries), raw_bytes, "none", LIMITS.min_chunk_bytes, index, plan.versions[index]
+    )
+    return header, bytes((index * 31 + i) % 251 for i in range(raw_bytes))
+
+
+def test_join_plan_heal_then_rounds(connect: Connect, shuttle: Shuttle) -> None:
+    """SPEC §4.4 between two cores: JOIN, PLAN, one UPDATE_HEADER transfer per fragment carrying
+    its current value and version, then a round (STEP_REPORT, FRAGMENT_REQUEST, PUSH_HEADER)."""
+    learner, syncer = connect()
+    learner.send(Join(MODEL, ""))
+    (joined,) = shuttle(learner, syncer)
+    assert isinstance(joined, MessageReceived) and joined.message == Join(MODEL, "")
+
+    syncer.send(PLAN)
+    (planned,) = shuttle(syncer, learner)
+    assert isinstance(planned, MessageReceived) and planned.message == PLAN
+
+    streams = InboundStreams(LIMITS, lambda h: memoryview(bytearray(h.raw_bytes)))
+    learner.chunk_sink = streams.chunk_target
+    healed: dict[int, FragmentAssembled] = {}
+    for index in range(len(PLAN.fragments)):
+        transfer_id = 2 * (index + 1)  # server-sent transfers have even ids
+        header, raw = fragment_bytes(PLAN, index)
+        syncer.send(header, transfer_id)
+        (opened,) = shuttle(syncer, learner)
+        assert isinstance(opened, MessageReceived) and opened.message == header
+        assert streams.open(transfer_id, header) == []  # no chunk came before its header
+        checksums = []
+        for seq in range(header.chunks):
+            piece = raw[seq * header.chunk_bytes : (seq + 1) * header.chunk_bytes]
+            checksums.append(codecs.checksum(piece))
+            syncer.send_chunk(transfer_id, ChunkHeader(seq, len(piece), Codec.NONE, 0, checksums[-1]), piece)
+        syncer.send(FragmentEnd(header.chunks, codecs.fragment_digest(checksums)), transfer_id)
+        for event in shuttle(syncer, learner):
+            done = None
+            if isinstance(event, ChunkReceived):
+                assert event.in_place  # uncompressed chunks land straight in the fragment buffer
+                done = streams.chunk_verified(event.transfer_id, event.chunk)
+            elif isinstance(event, MessageReceived) and isinstance(event.message, FragmentEnd):
+                done = streams.end(event.stream_id, event.message)
+            if done is not None:
+                healed[index] = done
+                learner.send(FragmentAck(), done.transfer_id)
+        assert bytes(healed[index].buffer) == raw
+        assert header.chunks == (1, 3)[index]  # the embedding's fragment spans several chunks
+        assert shuttle(learner, syncer) == [MessageReceived(FragmentAck(), transfer_id)]
+    for index, done in healed.items():
+        assert isinstance(done.header, UpdateHeader)
+        assert [e.name for e in done.header.manifest] == list(PLAN.fragments[index])
+        assert done.header.version == PLAN.versions[index]
+
+    learner.send(StepReport(1, 4096, 0.5))
+    assert shuttle(learner, syncer) == [MessageReceived(StepReport(1, 4096, 0.5))]
+    syncer.send(FragmentRequest(1, 0, PLAN.versions[1]))
+    assert shuttle(syncer, learner) == [MessageReceived(FragmentRequest(1, 0, PLAN.versions[1]))]
+    push = PushHeader((), 0, "none", LIMITS.min_chunk_bytes, 1, 0, PLAN.versions[1], 1, 4096)
+    learner.send(push, 1)
+    assert shuttle(learner, syncer) == [MessageReceived(push, 1)]
+
+
+# ------------------------------------------------------------- application codes, not the core's
+
+
+def test_the_core_does_not_enforce_the_join_order(connect: Connect, shuttle: Shuttle) -> None:
+    """STEP_REPORT before JOIN and a second JOIN pass the core: NOT_JOINED is the syncer's call."""
+    learner, syncer = connect()
+    learner.send(StepReport(1, 1, 0.1))
+    learner.send(Join(MODEL))
+    learner.send(Join(MODEL))
+    assert [type(e.message) for e in shuttle(learner, syncer) if isinstance(e, MessageReceived)] == [
+        StepReport,
+        Join,
+        Join,
+    ]
+
+
+@pytest.mark.parametrize("code", [ErrorCode.MODEL_MISMATCH, ErrorCode.NOT_JOINED], ids=lambda c: c.name)
+def test_application_errors_travel_as_error_frames(
+    connect: Connect, shuttle: Shuttle, code: ErrorCode
+) -> None:
+    learner, syncer = connect()
+    syncer.fail(code, "blocks.0.weight: float32 [16, 16] here, float32 [16, 8] in the plan")
+    (event,) = shuttle(syncer, learner)
+    assert isinstance(event, PeerWentAway) and event.error_code == code
+
+
+@pytest.mark.parametrize("code", [ErrorCode.NOT_REQUESTED, ErrorCode.STALE_VERSION], ids=lambda c: c.name)
+def test_application_resets_leave_the_connection_open(
+    connect: Connect, shuttle: Shuttle, code: ErrorCode
+) -> None:
+    learner, syncer = connect()
+    push = PushHeader((), 0, "none", LIMITS.min_chunk_bytes, 3, 7, 2, 1, 1)
+    learner.send(push, 5)
+    shuttle(learner, syncer)
+    syncer.send(StreamReset(int(code), "fragment 3 was not asked of this learner in round 7"), 5)
+    assert shuttle(syncer, learner) == [
+        MessageReceived(StreamReset(int(code), "fragment 3 was not asked of this learner in round 7"), 5)
+    ]
+    assert learner.state is syncer.state is State.OPEN
+
+
+def test_the_core_never_raises_application_codes() -> None:
+    """Codes 24 and up are the syncer's: nothing in dilocod/wire raises them."""
+    application = {c.name for c in ErrorCode if c >= ErrorCode.MODEL_MISMATCH}
+    assert application == {"MODEL_MISMATCH", "NOT_REQUESTED", "STALE_VERSION", "NOT_JOINED"}
+    root = Path(dilocod.wire.__file__).parent
+    for path in root.glob("*.py"):
+        if path.name == "errors.py":
+            continue
+        text = path.read_text()
+        assert not any(f"ErrorCode.{name}" in text for name in application), path.name
+
+
+def test_join_and_plan_bodies_may_be_large(connect: Connect) -> None:
+    """JOIN and PLAN list whole models: they take the control body cap, not the message cap."""
+    _, syncer = connect()
+    big = LIMITS.max_message_bytes + 1
+    assert syncer.receive_data(encode_header(FrameType.JOIN, 0, big)) == []
+    assert len(syncer.get_buffer()) == big

@@ -27,7 +27,7 @@ from torch import Tensor
 from dilocod.outer import FragmentPlan, embedding_mask, outer_step_
 from dilocod.outer.guard import Verdict, check_outer_gradient
 from dilocod.wire.codecs import chunk_checksums
-from dilocod.wire.manifest import TensorEntry, pack_manifest
+from dilocod.wire.manifest import ModelEntry, TensorEntry, pack_manifest
 
 #: torch dtype -> wire dtype name (wire.manifest.DTYPE_SIZES).
 WIRE_DTYPES: dict[torch.dtype, str] = {
@@ -40,13 +40,6 @@ WIRE_DTYPES: dict[torch.dtype, str] = {
 
 class ModelMismatch(ValueError):
     """A learner's (or a checkpoint's) parameters differ from the syncer's plan; names the first."""
-
-
-@dataclass(frozen=True, slots=True)
-class ParameterSpec:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
 
 
 @dataclass(slots=True)
@@ -91,7 +84,7 @@ class GlobalModel:
     def __init__(
         self,
         plan: FragmentPlan,
-        specs: Sequence[ParameterSpec],
+        specs: Sequence[ModelEntry],
         *,
         chunk_bytes: int,
         embedding_pattern: str,
@@ -261,10 +254,10 @@ class GlobalModel:
         return Snapshot(version, target, chunk_checksums(target, self.chunk_bytes))
 
 
-def specs_of(model: torch.nn.Module) -> list[ParameterSpec]:
+def specs_of(model: torch.nn.Module) -> list[ModelEntry]:
     """(name, dtype, shape) of a module's parameters, tied Parameters once (outer.module_sizes)."""
     seen: set[int] = set()
-    specs: list[ParameterSpec] = []
+    specs: list[ModelEntry] = []
     for name, parameter in model.named_parameters(remove_duplicate=False):
         if id(parameter) in seen:
             continue
@@ -274,11 +267,11 @@ def specs_of(model: torch.nn.Module) -> list[ParameterSpec]:
             raise ModelMismatch(
                 f"parameter {name!r} has dtype {parameter.dtype}: only float parameters are trained"
             )
-        specs.append(ParameterSpec(name, dtype, tuple(parameter.shape)))
+        specs.append(ModelEntry(name, dtype, tuple(parameter.shape)))
     return specs
 
 
-def first_mismatch(ours: Sequence[ParameterSpec], theirs: Sequence[ParameterSpec]) -> str | None:
+def first_mismatch(ours: Sequence[ModelEntry], theirs: Sequence[ModelEntry]) -> str | None:
     """A sentence naming the first difference in names or shapes, or None. Dtypes may differ: the
     syncer keeps float32 and a learner may train in bf16."""
     mine = {s.name: s for s in ours}

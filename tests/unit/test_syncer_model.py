@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from dilocod.outer import mean_merge, nesterov_step_, plan_fragments, rda_merge
-from dilocod.syncer.model import GlobalModel, ModelMismatch, ParameterSpec, Snapshot, first_mismatch, specs_of
+from dilocod.syncer.model import GlobalModel, ModelMismatch, Snapshot, first_mismatch, specs_of
 from dilocod.wire.codecs import chunk_checksums
+from dilocod.wire.manifest import ModelEntry
 
 pytestmark = pytest.mark.filterwarnings("ignore:Failed to initialize NumPy:UserWarning")
 
@@ -60,18 +61,13 @@ def test_loading_a_different_model_names_the_difference() -> None:
 
 
 def test_first_mismatch() -> None:
-    ours = [ParameterSpec("a", "float32", (2, 3)), ParameterSpec("b", "float32", (4,))]
+    ours = [ModelEntry("a", "float32", (2, 3)), ModelEntry("b", "float32", (4,))]
     assert (
-        first_mismatch(ours, [ParameterSpec("b", "bfloat16", (4,)), ParameterSpec("a", "float32", (2, 3))])
-        is None
+        first_mismatch(ours, [ModelEntry("b", "bfloat16", (4,)), ModelEntry("a", "float32", (2, 3))]) is None
     )
-    assert "'a' has shape [3, 2]" in str(
-        first_mismatch(ours, [ParameterSpec("a", "float32", (3, 2)), ours[1]])
-    )
+    assert "'a' has shape [3, 2]" in str(first_mismatch(ours, [ModelEntry("a", "float32", (3, 2)), ours[1]]))
     assert "'b' is missing" in str(first_mismatch(ours, ours[:1]))
-    assert "'c' is not in the syncer" in str(
-        first_mismatch(ours, [*ours, ParameterSpec("c", "float32", (1,))])
-    )
+    assert "'c' is not in the syncer" in str(first_mismatch(ours, [*ours, ModelEntry("c", "float32", (1,))]))
 
 
 def test_snapshots_are_lent_then_reused() -> None:

@@ -6,6 +6,7 @@ need them, so `dilocod --help` and `dilocod status` answer fast.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import warnings
 from collections.abc import Callable
@@ -196,3 +197,84 @@ def status(target: str, secret_file: Path | None, insecure: bool, as_json: bool,
         click.echo(f"dilocod status: cannot reach {address}: {exc}", err=True)
         sys.exit(1)
     click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else format_status(result))
+
+
+@main.command()
+@click.option(
+    "--config", "config_file", type=click.Path(path_type=Path, dir_okay=False), help="TOML file; flags win."
+)
+@click.option("--listen", help="HOST:PORT learners dial.  [default: 0.0.0.0:7070]")
+@click.option("--entry", help="MODULE:FACTORY (or an installed dilocod.trainers name) that builds the model.")
+@click.option("--state-dir", help="Directory for checkpoints (and its lock); created if missing.")
+@click.option("--fragments", help="P: fragments the model is cut into.  [default: 24]")
+@click.option("--sync-every", help="H: inner steps between two syncs of one fragment.  [default: 24]")
+@click.option(
+    "--overlap", help="tau: steps a learner keeps training while its fragment travels.  [default: 2]"
+)
+@click.option("--quorum", help="K: pushes a round needs before it may merge.  [default: 1]")
+@click.option(
+    "--grace-factor", help="gamma: share of the measured slack to wait for stragglers.  [default: 0.5]"
+)
+@click.option("--merge", help="rda or mean: how outer gradients are averaged.  [default: rda]")
+@click.option("--embedding-pattern", help="Parameters merged by plain mean under RDA.  [default: *embed*]")
+@click.option("--outer-lr", help="Outer Nesterov learning rate.  [default: 0.7]")
+@click.option("--outer-momentum", help="Outer Nesterov momentum.  [default: 0.9]")
+@click.option("--secret-file", help="File holding the shared secret (at least 16 bytes).")
+@click.option("--insecure", is_flag=True, default=None, help="Run without authentication.")
+@click.option("--metrics", help="HOST:PORT for Prometheus text metrics (off unless given).")
+@click.option("--checkpoint-every-s", help="Seconds between checkpoints.  [default: 300]")
+@click.option("--staleness", help="Versions a late push may trail and still be merged.  [default: 1]")
+@click.option("--max-norm-ratio", help="Reject outer gradients above this x the median norm.  [default: 10]")
+@click.option("--chunk", help="Chunk size of updates.  [default: 1MiB]")
+@click.option("--codec", help="Codec of updates: none, lz4 or zstd.  [default: none]")
+@click.option("--seed", help="Seed handed to the factory.  [default: 0]")
+@click.option("--ready-json", is_flag=True, help="Print one JSON line on stdout once listening.")
+@click.option("--uvloop/--no-uvloop", default=True, show_default=True, help="Use uvloop if installed.")
+def syncer(config_file: Path | None, ready_json: bool, uvloop: bool, **flags: Any) -> None:
+    """The CPU daemon that holds the global model and merges fragments asynchronously.
+
+    Builds the model from --entry (or resumes the newest checkpoint in --state-dir), listens for
+    learners, asks them for one fragment's outer gradient per round, merges what arrives (quorum,
+    adaptive grace, token-weighted RDA, outer Nesterov) and streams the result back. Every flag is
+    also a key of the --config TOML file (sync-every = 24); flags win. SIGTERM checkpoints and exits.
+    """
+    from dilocod.config import SYNCER_FIELDS, SyncerConfig, load_config  # noqa: PLC0415
+    from dilocod.ops.logging import configure_logging  # noqa: PLC0415
+
+    config = _parsed(lambda: load_config(SyncerConfig, SYNCER_FIELDS, config_file, flags))
+    secret = _load_secret(config.secret_file, config.insecure, config.listen)
+    configure_logging()
+    from dilocod.ops.notify import Notifier  # noqa: PLC0415
+    from dilocod.syncer.daemon import SetupError, run_syncer  # noqa: PLC0415
+
+    def ready(info: dict[str, Any]) -> None:
+        if ready_json:
+            click.echo(json.dumps(info))
+            sys.stdout.flush()
+
+    try:
+        notifier = Notifier.from_environment(os.environ)
+        run_syncer(config, secret, ready=ready, use_uvloop=uvloop, notifier=notifier)
+    except SetupError as exc:
+        click.echo(f"dilocod syncer: {exc}", err=True)
+        sys.exit(EX_CONFIG)
+
+
+@main.command()
+@click.option(
+    "--state-dir", required=True, type=click.Path(path_type=Path, file_okay=False), help="The syncer's."
+)
+@click.option(
+    "--out", required=True, type=click.Path(path_type=Path, dir_okay=False), help="safetensors file."
+)
+def export(state_dir: Path, out: Path) -> None:
+    """Write the global model of the newest checkpoint as one safetensors file keyed by parameter
+    name (float32), loadable with safetensors.torch.load_file and model.load_state_dict."""
+    from dilocod.syncer.checkpoint import CheckpointError, export_model  # noqa: PLC0415
+
+    try:
+        export_model(state_dir, out)
+    except CheckpointError as exc:
+        click.echo(f"dilocod export: {exc}", err=True)
+        sys.exit(1)
+    click.echo(f"wrote {out}", err=True)

@@ -6,7 +6,12 @@ from dilocod.wire.errors import ErrorCode
 
 
 class SessionClosed(ConnectionError):
-    """The session's control connection is gone; reconnect to go on."""
+    """The session's control connection is gone; reconnect to go on. `code` is the error code the
+    peer closed it with (ERROR frame), None for a goodbye or a lost connection."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class HandshakeFailed(ConnectionError):

@@ -63,8 +63,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.transport = transport  # type: ignore[assignment]  # TCP, or TLS over TCP
         # asyncio's default 64 KiB high-water mark pauses after every chunk and lets the socket
         # run dry while the loop wakes up; keeping a few chunks queued keeps the kernel fed.
-        transport.set_write_buffer_limits(high=self.options.write_buffer_high_bytes,
-                                          low=self.options.write_buffer_high_bytes // 4)
+        transport.set_write_buffer_limits(
+            high=self.options.write_buffer_high_bytes, low=self.options.write_buffer_high_bytes // 4
+        )
         sock: socket.socket | None = transport.get_extra_info("socket")
         if sock is not None:
             tune(sock, buffer_bytes=self.options.socket_buffer_bytes, congestion=self.options.congestion)

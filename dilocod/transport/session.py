@@ -115,6 +115,8 @@ class Session:
         self._control_paused = False
         self._ping_seq = itertools.count(1)
         self.close_reason: str | None = None
+        #: The code of the peer's ERROR frame that closed the session, if that is how it ended.
+        self.close_code: int | None = None
         self.closed = asyncio.Event()
         self.bytes_payload_sent = 0
         self.bytes_payload_received = 0
@@ -163,7 +165,7 @@ class Session:
         """Next control message or whole fragment from the peer; SessionClosed once it is gone."""
         while not self._incoming:
             if self.closed.is_set():
-                raise SessionClosed(self.close_reason or "session closed")
+                raise SessionClosed(self.close_reason or "session closed", self.close_code)
             self._wakeup.clear()
             await self._wakeup.wait()
         item = self._incoming.popleft()
@@ -311,6 +313,8 @@ class Session:
         elif isinstance(event, MessageReceived):
             self._on_message(proto, event)
         elif isinstance(event, PeerWentAway) and proto is self.control:
+            if not self.closed.is_set():
+                self.close_code = event.error_code
             self._finish(f"peer went away: {event.reason}")
 
     def _on_message(self, proto: FrameProtocol, event: MessageReceived) -> None:
@@ -539,4 +543,4 @@ class Session:
 
     def _check_open(self) -> None:
         if self.closed.is_set():
-            raise SessionClosed(self.close_reason or "session closed")
+            raise SessionClosed(self.close_reason or "session closed", self.close_code)

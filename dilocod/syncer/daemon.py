@@ -1,0 +1,181 @@
+"""`dilocod syncer` from configuration to a running service: the state directory (locked, so two
+syncers never share one), the model from the newest checkpoint or from the user's factory, the
+round state machine where the checkpoint left it, signals, systemd notifications, and the exit.
+
+Everything that can be wrong with the setup is found here, before the port opens, and reported as
+a SetupError naming what to fix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import secrets
+import signal
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from dilocod.config import SyncerConfig
+from dilocod.contract import LearnerContext
+from dilocod.learner.entry import EntryError, load_trainer
+from dilocod.outer import plan_fragments
+from dilocod.syncer.checkpoint import CheckpointError, load_latest_checkpoint
+from dilocod.syncer.model import GlobalModel, ModelMismatch, specs_of
+from dilocod.syncer.rounds import RoundConfig, Rounds
+from dilocod.syncer.service import SyncerService
+
+log = structlog.get_logger("dilocod.syncer")
+LOCK_FILE = "syncer.lock"
+
+
+class SetupError(Exception):
+    """The syncer cannot start as configured; the message says what to fix."""
+
+
+@dataclass(slots=True)
+class Prepared:
+    service: SyncerService
+    resumed_from: Path | None
+
+
+def lock_state_dir(state_dir: Path, stack: ExitStack) -> None:
+    """Hold an exclusive lock on the state directory for the life of the process."""
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        handle = stack.enter_context((state_dir / LOCK_FILE).open("a+"))
+    except OSError as exc:
+        raise SetupError(f"--state-dir {state_dir}: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise SetupError(f"--state-dir {state_dir} is in use by another syncer") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+
+
+def prepare(config: SyncerConfig, secret: bytes | None) -> Prepared:
+    """Build the model store, the round state machine and the service; nothing listens yet."""
+    if config.state_dir is None:
+        raise SetupError("--state-dir is required: checkpoints and the lock live there")
+    if config.entry is None:
+        raise SetupError("--entry MODULE:FACTORY is required: the syncer builds the model from it")
+    state_dir = config.state_dir
+    context = LearnerContext("syncer", "syncer", "cpu", 0, 1, state_dir, config.seed)
+    try:
+        trainer = load_trainer(config.entry, context)
+    except EntryError as exc:
+        raise SetupError(str(exc)) from exc.__cause__
+    specs = specs_of(trainer.model)
+    plan = plan_fragments([(s.name, s.shape) for s in specs], config.fragments)
+    model = GlobalModel(plan, specs, chunk_bytes=config.chunk, embedding_pattern=config.embedding_pattern)
+    meta: dict[str, Any] = {"fragments": plan.num_fragments, "parameters": len(specs)}
+    try:
+        loaded = load_latest_checkpoint(state_dir)
+    except CheckpointError as exc:
+        raise SetupError(f"--state-dir {state_dir}: {exc}") from None
+    if loaded is None:
+        params = dict(trainer.model.named_parameters())
+        model.load({s.name: params[s.name].detach() for s in specs})
+        restored: dict[str, Any] = {}
+    else:
+        for skipped in loaded.skipped:
+            log.warning("checkpoint skipped", path=str(skipped.path), reason=skipped.reason)
+        state = loaded.state
+        if len(state.versions) != plan.num_fragments:
+            raise SetupError(
+                f"the checkpoint {loaded.path} has {len(state.versions)} fragments, this syncer plans "
+                f"{plan.num_fragments} (--fragments): start with the same value, or a new --state-dir"
+            )
+        try:
+            model.load(state.params, state.momentum, state.versions)
+        except ModelMismatch as exc:
+            raise SetupError(
+                f"the checkpoint {loaded.path} holds another model than --entry {config.entry}: {exc}"
+            ) from None
+        restored = state.meta
+    del trainer  # the user's objects (optimizer, data) are not needed past this point
+    round_config = RoundConfig(
+        fragments=plan.num_fragments,
+        sync_every=config.sync_every,
+        overlap=config.overlap,
+        quorum=config.quorum,
+        grace_factor=config.grace_factor,
+        staleness=config.staleness,
+    )
+    rounds = Rounds(round_config, versions=model.versions, next_round=int(restored.get("next_round", 0)))
+    # The clock and next_round belong together: rounds are due by the clock, so restoring one
+    # without the other would open nothing until a fresh clock caught up.
+    rounds.clock = int(restored.get("clock", 0))
+    service = SyncerService(
+        config,
+        model,
+        rounds,
+        state_dir=state_dir,
+        incarnation=secrets.token_hex(8),
+        secret=secret,
+        meta=meta,
+    )
+    return Prepared(service, None if loaded is None else loaded.path)
+
+
+def run_syncer(
+    config: SyncerConfig,
+    secret: bytes | None,
+    *,
+    ready: Callable[[dict[str, Any]], None],
+    use_uvloop: bool = True,
+    notifier: Any = None,
+) -> None:
+    """Run until SIGTERM or SIGINT; SetupError before anything listens if the setup is wrong."""
+    from dilocod.transport.loop import run  # noqa: PLC0415
+
+    with ExitStack() as stack:
+        if config.state_dir is not None:
+            lock_state_dir(config.state_dir, stack)
+        prepared = prepare(config, secret)
+        service = prepared.service
+        if prepared.resumed_from is not None:
+            log.info(
+                "resumed",
+                checkpoint=str(prepared.resumed_from),
+                versions=service.model.versions,
+                next_round=service.rounds.next_round,
+            )
+
+        async def main() -> None:
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+
+            def on_signal() -> None:  # a signal handler only sets the event (and tells systemd)
+                if not stop.is_set() and notifier is not None:
+                    notifier.stopping()
+                stop.set()
+
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, on_signal)
+
+            def listening(host: str, port: int) -> None:
+                info: dict[str, Any] = {
+                    "host": host,
+                    "port": port,
+                    "pid": os.getpid(),
+                    "incarnation": service.incarnation,
+                    "fragments": len(service.model.fragments),
+                    "versions": service.model.versions,
+                }
+                log.info("listening", **info)
+                ready({"event": "ready", **info})
+                if notifier is not None:
+                    notifier.ready()
+
+            await service.serve(stop, listening)
+
+        run(main(), use_uvloop=use_uvloop)

@@ -1,0 +1,520 @@
+"""The syncer service: sessions with learners, glued to the round state machine and the model store.
+
+It owns the I/O and nothing else: per learner, one session (JOIN, then PLAN and every fragment to
+heal it, then step reports and pushes in, requests and updates out); one merge worker thread that
+screens pushes, merges rounds and takes checkpoints one at a time (so a checkpoint always sees a
+fragment between merges); a ticker that wakes the state machine at its grace deadlines. Decisions
+are Rounds'; numbers are GlobalModel's. A learner may vanish at any point: it is simply absent
+from the rounds, and whatever it had in flight is released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import defaultdict
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from dilocod.config import SyncerConfig
+from dilocod.outer.guard import Verdict
+from dilocod.syncer.checkpoint import SyncerState, save_checkpoint
+from dilocod.syncer.model import GlobalModel, first_mismatch
+from dilocod.syncer.rounds import Action, Merge, Push, Refusal, Release, Request, Rounds
+from dilocod.transport.endpoints import Server
+from dilocod.transport.errors import SessionClosed, TransferFailed
+from dilocod.transport.options import TransportOptions
+from dilocod.transport.session import FragmentReceived, Session
+from dilocod.wire.errors import ErrorCode, RemoteProtocolError
+from dilocod.wire.messages import (
+    Error,
+    FragmentRequest,
+    Join,
+    Plan,
+    PushHeader,
+    StatusRequest,
+    StatusResponse,
+    StepReport,
+    UpdateHeader,
+)
+from dilocod.wire.stream import StreamHeader
+
+log = structlog.get_logger("dilocod.syncer")
+
+#: A learner must say JOIN this soon after its session opens.
+JOIN_TIMEOUT_S = 30.0
+#: An update that fails this many times in a row is given up until the next version.
+UPDATE_ATTEMPTS = 3
+_REFUSAL_CODES = {
+    Refusal.NOT_REQUESTED: ErrorCode.NOT_REQUESTED,
+    Refusal.STALE_VERSION: ErrorCode.STALE_VERSION,
+}
+
+
+@dataclass(slots=True)
+class _Peer:
+    """One joined learner."""
+
+    learner: str
+    session: Session
+    #: Fragments whose current snapshot this learner has not been sent yet.
+    pending: set[int] = field(default_factory=set)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    healed: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Versions sent, per fragment.
+    sent: dict[int, int] = field(default_factory=dict)
+    joined: bool = False
+
+
+class SyncerService:
+    """Serve learners until `stop` is set; see the module docstring."""
+
+    def __init__(
+        self,
+        config: SyncerConfig,
+        model: GlobalModel,
+        rounds: Rounds,
+        *,
+        state_dir: Path,
+        incarnation: str,
+        secret: bytes | None,
+        meta: dict[str, Any],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.rounds = rounds
+        self.state_dir = state_dir
+        self.incarnation = incarnation
+        self.secret = secret
+        self.meta = meta
+        self.clock = clock
+        self.peers: dict[str, _Peer] = {}
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.checkpoints_written = 0
+        self.last_checkpoint: Path | None = None
+        self.started_at = clock()
+        self._specs = [model.specs[name] for name in model.order]
+        self._push_buffers: dict[tuple[str, int], tuple[Push, memoryview]] = {}
+        self._pool: dict[int, list[bytearray]] = defaultdict(list)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dilocod-merge")
+        self._tasks: asyncio.TaskGroup | None = None
+        self._ticker_wake = asyncio.Event()
+        self._merges: set[asyncio.Task[None]] = set()
+        self._stopping = False
+        self._server: Server | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def serve(self, stop: asyncio.Event, ready: Callable[[str, int], None]) -> None:
+        """Listen, serve until stop is set, then wind down: finish merges in flight, write a
+        checkpoint, say goodbye to every learner."""
+        self.model.publish_all()
+        options = TransportOptions(chunk_bytes=self.config.chunk)
+        try:
+            async with (
+                Server(
+                    self._handle,
+                    server_id="syncer",
+                    secret=self.secret,
+                    options=options,
+                    incarnation=self.incarnation,
+                ) as server,
+                asyncio.TaskGroup() as tasks,
+            ):
+                self._server, self._tasks = server, tasks
+                host, port = await server.listen(self.config.listen.host, self.config.listen.port)
+                ticker = tasks.create_task(self._ticker(), name="ticker")
+                checkpointer = tasks.create_task(self._checkpoint_loop(), name="checkpoints")
+                ready(host, port)
+                await stop.wait()
+                self._stopping = True
+                log.info("stopping", merges_in_flight=len(self._merges))
+                ticker.cancel()
+                checkpointer.cancel()
+                if self._merges:
+                    await asyncio.wait(self._merges, timeout=60.0)
+                await self.checkpoint()
+                await server.close("syncer shutting down")
+        finally:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+
+    async def checkpoint(self) -> Path:
+        """Write a checkpoint now (in the merge worker, between merges)."""
+        meta = {
+            **self.meta,
+            "next_round": self.rounds.next_round,
+            "clock": self.rounds.clock,
+            "rounds_merged": self.rounds.rounds_merged,
+            "roster": {
+                r.learner: {"contributions": r.contributions, "steps": r.steps, "tokens": r.tokens}
+                for r in self.rounds.learners.values()
+            },
+        }
+
+        def save() -> Path:
+            params, momentum = self.model.state()
+            return save_checkpoint(self.state_dir, SyncerState(params, momentum, self.model.versions, meta))
+
+        path = await asyncio.get_running_loop().run_in_executor(self._executor, save)
+        self.checkpoints_written += 1
+        self.last_checkpoint = path
+        log.info("checkpoint", path=str(path), versions=sum(self.model.versions))
+        return path
+
+    async def _checkpoint_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.checkpoint_every_s)
+            try:
+                await self.checkpoint()
+            except Exception as exc:  # a full disk must not stop training; the next try may work
+                log.error("checkpoint failed", error=repr(exc))
+
+    async def _ticker(self) -> None:
+        """Wake the state machine at its next grace deadline (or when told the deadline moved)."""
+        while True:
+            deadline = self.rounds.next_deadline()
+            self._ticker_wake.clear()
+            timeout = None if deadline is None else max(0.0, deadline - self.clock())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._ticker_wake.wait()
+            self._apply(self.rounds.tick(self.clock()))
+
+    # ------------------------------------------------------------------ sessions
+
+    async def _handle(self, session: Session) -> None:
+        """One session: a learner (JOIN first) or a status client (STATUS_REQUEST)."""
+        try:
+            async with asyncio.timeout(JOIN_TIMEOUT_S):
+                first = await session.recv()
+        except TimeoutError:
+            await self._refuse(session, ErrorCode.TIMEOUT, f"no JOIN within {JOIN_TIMEOUT_S:g} s")
+            return
+        if isinstance(first, StatusRequest):
+            await self._serve_status(session)
+            return
+        if not isinstance(first, Join):
+            await self._refuse(session, ErrorCode.NOT_JOINED, f"{type(first).__name__} before JOIN")
+            return
+        mismatch = first_mismatch(self._specs, first.model)
+        if mismatch is not None:
+            log.warning("model mismatch", learner=session.peer.peer_id, detail=mismatch)
+            await self._refuse(session, ErrorCode.MODEL_MISMATCH, mismatch)
+            return
+        await self._serve_learner(session, first)
+
+    async def _refuse(self, session: Session, code: ErrorCode, message: str) -> None:
+        with contextlib.suppress(SessionClosed, ConnectionError):
+            await session.send(Error(int(code), message))
+        await session.close(message)
+
+    async def _serve_status(self, session: Session) -> None:
+        await session.send(StatusResponse(self.status()))
+        while True:
+            item = await session.recv()
+            if isinstance(item, StatusRequest):
+                await session.send(StatusResponse(self.status()))
+
+    async def _serve_learner(self, session: Session, join: Join) -> None:
+        learner = session.peer.peer_id
+        previous = self.peers.get(learner)
+        if previous is not None:
+            # A learner that reconnects before its old session timed out: the new one wins.
+            await previous.session.close("replaced by a newer session of the same learner")
+        peer = _Peer(learner, session)
+        self.peers[learner] = peer
+        session.set_allocator(partial(self._allocate, peer))
+        session.on_inbound_failed = partial(self._push_failed, peer)
+        log.info(
+            "learner joined",
+            learner=learner,
+            had_incarnation=join.incarnation or None,
+            heals=len(self.model.fragments),
+        )
+        try:
+            await session.send(self._plan())
+            peer.pending.update(range(len(self.model.fragments)))
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(self._send_updates(peer), name=f"updates {learner}")
+                tasks.create_task(self._join_when_healed(peer), name=f"heal {learner}")
+                while True:
+                    self._on_message(peer, await session.recv())
+        finally:
+            if self.peers.get(learner) is peer:
+                del self.peers[learner]
+                if peer.joined:
+                    self._apply(self.rounds.leave(learner, self.clock()))
+            log.info("learner left", learner=learner, reason=session.close_reason)
+
+    async def _join_when_healed(self, peer: _Peer) -> None:
+        await peer.healed.wait()
+        peer.joined = True
+        self._apply(self.rounds.join(peer.learner, self.clock()))
+
+    def _plan(self) -> Plan:
+        return Plan(
+            self.incarnation,
+            tuple(self._specs),
+            tuple(tuple(f.names) for f in self.model.plan.fragments),
+            tuple(s.current.version if s.current else 0 for s in self.model.fragments),
+            self.rounds.config.sync_every,
+            self.rounds.config.overlap,
+            self.rounds.config.quorum,
+        )
+
+    def _on_message(self, peer: _Peer, item: object) -> None:
+        now = self.clock()
+        if isinstance(item, StepReport):
+            if peer.joined:
+                self._apply(self.rounds.step(peer.learner, item.tokens, item.step_time_s, now))
+        elif isinstance(item, FragmentReceived):
+            self._on_push(peer, item)
+        elif isinstance(item, StatusRequest):
+            peer.session.control.send(StatusResponse(self.status()))
+        elif isinstance(item, Join):
+            peer.session.control.abort(ErrorCode.NOT_JOINED, "a second JOIN on one session")
+
+    # ------------------------------------------------------------------ pushes
+
+    def _allocate(self, peer: _Peer, header: StreamHeader) -> memoryview:
+        """Admit a push by its header (refusals become STREAM_RESET) and lend it a buffer."""
+        if not isinstance(header, PushHeader):
+            raise RemoteProtocolError(ErrorCode.UNEXPECTED_FRAME, "a learner sends pushes, not updates")
+        if not peer.joined:
+            raise RemoteProtocolError(ErrorCode.NOT_JOINED, "push before the learner has joined")
+        if not 0 <= header.fragment < len(self.model.fragments):
+            raise RemoteProtocolError(ErrorCode.NOT_REQUESTED, f"there is no fragment {header.fragment}")
+        store = self.model.fragments[header.fragment]
+        if header.manifest != store.manifest or header.raw_bytes != store.raw_bytes:
+            raise RemoteProtocolError(
+                ErrorCode.BAD_MANIFEST,
+                f"push of fragment {header.fragment} does not match the plan's float32 layout",
+            )
+        push = Push(
+            peer.learner, header.round, header.fragment, header.base_version, header.c_steps, header.c_tokens
+        )
+        refusal = self.rounds.admit(push, self.clock())
+        if refusal is not None:
+            log.warning("push refused", learner=peer.learner, round=header.round, why=refusal.value)
+            raise RemoteProtocolError(_REFUSAL_CODES[refusal], f"round {header.round}: {refusal.value}")
+        free = self._pool[store.raw_bytes]
+        buffer = memoryview(free.pop() if free else bytearray(store.raw_bytes))
+        self._push_buffers[(peer.learner, header.round)] = (push, buffer)
+        return buffer
+
+    def _push_failed(self, peer: _Peer, header: StreamHeader, buffer: memoryview) -> None:
+        """A push transfer that was admitted failed: forget it (its buffer may still be written)."""
+        if isinstance(header, PushHeader):
+            held = self._push_buffers.pop((peer.learner, header.round), None)
+            if held is not None:
+                self._apply(self.rounds.push_failed(held[0], self.clock()))
+
+    def _on_push(self, peer: _Peer, item: FragmentReceived) -> None:
+        header = item.header
+        if not isinstance(header, PushHeader):
+            return
+        held = self._push_buffers.get((peer.learner, header.round))
+        if held is None:
+            return
+        self.bytes_in += header.raw_bytes
+        self._spawn(self._screen(held[0], held[1]), f"screen {peer.learner}")
+
+    async def _screen(self, push: Push, buffer: memoryview) -> None:
+        history = list(self.rounds.norm_history)
+        screen = partial(self.model.screen, push.fragment, buffer, history, self.config.max_norm_ratio)
+        verdict: Verdict = await asyncio.get_running_loop().run_in_executor(self._executor, screen)
+        if not verdict.accepted:
+            log.warning(
+                "push rejected",
+                learner=push.learner,
+                fragment=push.fragment,
+                round=push.round_index,
+                reason=verdict.reason,
+                norm=verdict.norm,
+                limit=verdict.limit,
+            )
+        self._apply(self.rounds.push_complete(push, verdict, self.clock()))
+
+    # ------------------------------------------------------------------ decisions
+
+    def _apply(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Request):
+                self._request(action)
+            elif isinstance(action, Merge):
+                task = self._spawn(self._merge(action), f"merge {action.round_index}")
+                if task is None:  # stopping: the round is dropped, its version kept
+                    self.rounds.merge_failed(action.round_index, self.clock())
+                else:
+                    self._merges.add(task)
+                    task.add_done_callback(self._merges.discard)
+            elif isinstance(action, Release):
+                held = self._push_buffers.pop((action.push.learner, action.push.round_index), None)
+                if held is not None:
+                    self._give_back(held[1])
+        # A new round or a new quorum may have moved the next deadline.
+        self._ticker_wake.set()
+
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None] | None:
+        """Run work in the service's task group; a bug in it is logged, never fatal to the daemon
+        (an exception in a task-group child would cancel every session)."""
+        if self._tasks is None or self._stopping:
+            work.close()
+            return None
+
+        async def guarded() -> None:
+            try:
+                await work
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.exception("internal error", task=name, error=repr(exc))
+
+        return self._tasks.create_task(guarded(), name=name)
+
+    def _request(self, request: Request) -> None:
+        message = FragmentRequest(request.fragment, request.round_index, request.version)
+        for learner in request.learners:
+            peer = self.peers.get(learner)
+            if peer is not None and peer.session.control.is_open:
+                # Control messages are small; the session's deadlines cut off a peer that stops reading.
+                peer.session.control.send(message)
+
+    async def _merge(self, merge: Merge) -> None:
+        started = self.clock()
+        held = [self._push_buffers.pop((p.learner, p.round_index), None) for p in merge.pushes]
+        if any(h is None for h in held):
+            log.error("merge without its pushes", fragment=merge.fragment, round=merge.round_index)
+            self.rounds.merge_failed(merge.round_index, self.clock())
+            return
+        held = [h for h in held if h is not None]
+        target = self.model.spare_buffer(merge.fragment)
+        run = partial(
+            self.model.merge,
+            merge.fragment,
+            [buffer for _, buffer in held],
+            merge.weights,
+            lr=self.config.outer_lr,
+            mu=self.config.outer_momentum,
+            merge=self.config.merge,
+            target=target,
+            version=merge.version + 1,
+        )
+        try:
+            snapshot = await asyncio.get_running_loop().run_in_executor(self._executor, run)
+        except Exception as exc:
+            log.error("merge failed", fragment=merge.fragment, round=merge.round_index, error=repr(exc))
+            self.rounds.merge_failed(merge.round_index, self.clock())
+            return
+        version = self.rounds.merged(merge.round_index, self.clock())
+        self.model.publish(merge.fragment, snapshot)
+        for _, buffer in held:
+            self._give_back(buffer)
+        log.info(
+            "round merged",
+            fragment=merge.fragment,
+            round=merge.round_index,
+            version=version,
+            contributors=[p.learner for p in merge.pushes],
+            weights=[round(w, 4) for w in merge.weights],
+            bytes=len(held) * self.model.fragments[merge.fragment].raw_bytes,
+            grace_waited_s=round(merge.grace_waited_s, 4),
+            duration_s=round(self.clock() - started, 4),
+        )
+        for peer in self.peers.values():
+            peer.pending.add(merge.fragment)
+            peer.wake.set()
+        self._ticker_wake.set()
+
+    def _give_back(self, buffer: memoryview) -> None:
+        owner = buffer.obj
+        if isinstance(owner, bytearray):
+            self._pool[len(owner)].append(owner)
+
+    # ------------------------------------------------------------------ updates
+
+    async def _send_updates(self, peer: _Peer) -> None:
+        """Send this learner the newest snapshot of every fragment it lacks, lowest index first;
+        an update superseded while queued is skipped (only the newest version goes out)."""
+        failures: dict[int, int] = defaultdict(int)
+        while True:
+            if not peer.pending:
+                peer.healed.set()
+                peer.wake.clear()
+                await peer.wake.wait()
+                continue
+            index = min(peer.pending)
+            peer.pending.discard(index)
+            store = self.model.fragments[index]
+            snapshot = self.model.acquire(index)
+            try:
+                if peer.sent.get(index) == snapshot.version:
+                    continue
+                header = UpdateHeader(
+                    store.manifest,
+                    store.raw_bytes,
+                    self.config.codec,
+                    self.config.chunk,
+                    fragment=index,
+                    version=snapshot.version,
+                )
+                await peer.session.send_fragment(header, snapshot.buffer, checksums=snapshot.checksums)
+                peer.sent[index] = snapshot.version
+                self.bytes_out += store.raw_bytes
+                failures.pop(index, None)
+            except TransferFailed as exc:
+                failures[index] += 1
+                log.warning("update failed", learner=peer.learner, fragment=index, error=str(exc))
+                if failures[index] < UPDATE_ATTEMPTS:
+                    peer.pending.add(index)
+            finally:
+                self.model.release(index, snapshot)
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> dict[str, Any]:
+        rounds = self.rounds
+        total_weight = sum(r.weight_total for r in rounds.learners.values()) or 1.0
+        return {
+            "role": "syncer",
+            "incarnation": self.incarnation,
+            "uptime_s": round(self.clock() - self.started_at, 3),
+            "clock": rounds.clock,
+            "next_round": rounds.next_round,
+            "fragments": [
+                {"index": s.index, "version": s.current.version if s.current else s.version}
+                for s in self.model.fragments
+            ],
+            "learners": [
+                {
+                    "id": r.learner,
+                    "connected": r.learner in self.peers,
+                    "live": r.live,
+                    "contributions": r.contributions,
+                    "weight_share": round(r.weight_total / total_weight, 6),
+                    "steps_per_s": round(r.steps_per_s, 4),
+                    "steps": r.steps,
+                    "tokens": r.tokens,
+                }
+                for r in sorted(rounds.learners.values(), key=lambda r: r.learner)
+            ],
+            "rounds_merged": rounds.rounds_merged,
+            "rounds_abandoned": rounds.rounds_abandoned,
+            "quorum_sizes": {str(k): v for k, v in sorted(rounds.quorum_sizes.items())},
+            "grace_waited_s": round(rounds.grace_waited_s, 4),
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+            "rejected_pushes": sum(rounds.rejected.values()),
+            "rejected_by_reason": dict(rounds.rejected),
+            "checkpoints_written": self.checkpoints_written,
+            "last_checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
+        }

@@ -1,0 +1,175 @@
+"""A `dilocod syncer` child process for the tests, and the small model entry it builds from.
+
+The entry module is written into the test's own directory and put on the child's PYTHONPATH, the
+way a user's package would be installed. The syncer's ready line (--ready-json) is waited for with
+a deadline; stderr (structlog JSON lines) goes to a file the tests read merged rounds from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from dilocod.wire.manifest import ModelEntry
+
+READY_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 30.0
+
+ENTRY_SOURCE = """
+import torch
+import dilocod
+
+
+def make_trainer(ctx):
+    torch.manual_seed(1234)  # every process builds the same initial model
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05) if ctx.role == "learner" else None
+
+    def step(index):
+        return dilocod.StepResult(tokens=64, loss=0.0)
+
+    return dilocod.Trainer(model=model, optimizer=optimizer, step=step)
+"""
+ENTRY = "syncer_test_entry:make_trainer"
+
+
+def write_entry(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "syncer_test_entry.py").write_text(ENTRY_SOURCE)
+    return directory
+
+
+def entry_model(directory: Path) -> tuple[tuple[ModelEntry, ...], dict[str, Any]]:
+    """The entry's parameters as JOIN lists them, and their initial values (float32 tensors)."""
+    sys.path.insert(0, str(directory))
+    try:
+        import syncer_test_entry
+
+        from dilocod import LearnerContext
+
+        model = syncer_test_entry.make_trainer(LearnerContext("t", "syncer", "cpu", 0, 1, None, 0)).model
+    finally:
+        sys.path.remove(str(directory))
+    entries = tuple(ModelEntry(n, "float32", tuple(p.shape)) for n, p in model.named_parameters())
+    return entries, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@dataclass
+class SyncerProcess:
+    process: subprocess.Popen[bytes]
+    info: dict[str, Any]
+    stderr_path: Path
+    lines: list[str] = field(default_factory=list)
+    changed: threading.Condition = field(default_factory=threading.Condition)
+
+    def follow(self, stream: IO[bytes]) -> None:
+        """Copy the child's stderr to its file and to `lines` (run on a thread), waking waiters."""
+        with self.stderr_path.open("ab") as copy:
+            for raw in stream:
+                copy.write(raw)
+                copy.flush()
+                with self.changed:
+                    self.lines.append(raw.decode(errors="replace"))
+                    self.changed.notify_all()
+
+    def wait_for(
+        self, event: str, accept: Callable[[dict[str, Any]], bool], timeout_s: float
+    ) -> dict[str, Any]:
+        """The first log record of `event` that accept() takes, waiting for it with a deadline."""
+        deadline = time.monotonic() + timeout_s
+        seen = 0
+        with self.changed:
+            while True:
+                for line in self.lines[seen:]:
+                    record = _record(line)
+                    if record is not None and record.get("event") == event and accept(record):
+                        return record
+                seen = len(self.lines)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self.alive():
+                    raise TimeoutError(f"no {event!r} log record within {timeout_s} s:\n{self.stderr()}")
+                self.changed.wait(remaining)
+
+    @property
+    def port(self) -> int:
+        return int(self.info["port"])
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def log_events(self, event: str) -> list[dict[str, Any]]:
+        with self.changed:
+            records = [_record(line) for line in self.lines]
+        return [r for r in records if r is not None and r.get("event") == event]
+
+    def stop(self) -> int:
+        """SIGTERM and wait: the orderly shutdown (checkpoint, goodbye)."""
+        if self.alive():
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            raise
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+def _record(line: str) -> dict[str, Any] | None:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def start_syncer(work: Path, entry_dir: Path, state_dir: Path, *args: str) -> SyncerProcess:
+    stderr_path = work / f"syncer-{len(list(work.glob('syncer-*.stderr')))}.stderr"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(entry_dir), os.environ.get("PYTHONPATH", "")])}
+    command = [
+        sys.executable,
+        "-m",
+        "dilocod",
+        "syncer",
+        "--listen",
+        "127.0.0.1:0",
+        "--insecure",
+        "--entry",
+        ENTRY,
+        "--state-dir",
+        str(state_dir),
+        "--ready-json",
+        *args,
+    ]
+    stderr_path.touch()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert process.stdout is not None and process.stderr is not None
+    syncer = SyncerProcess(process, {}, stderr_path)
+    threading.Thread(target=syncer.follow, args=(process.stderr,), daemon=True).start()
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        if not selector.select(READY_TIMEOUT_S):
+            process.kill()
+            raise RuntimeError(f"syncer not ready within {READY_TIMEOUT_S} s: {syncer.stderr()}")
+    line = process.stdout.readline()
+    if not line:
+        process.wait()
+        raise RuntimeError(f"syncer exited with {process.returncode}: {syncer.stderr()}")
+    syncer.info = json.loads(line)
+    return syncer

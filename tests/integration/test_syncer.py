@@ -1,0 +1,254 @@
+"""`dilocod syncer` as a real process, with scripted learners speaking the real protocol.
+
+Lock-step equivalence: with K = M, tau = 0, merge=mean and lossless chunks, every merged version the
+syncer sends equals lock-step DiLoCo recomputed here with dilocod.outer from the very pushes the
+learners sent. Then the service's behaviour: healing on join, status, bad input refused without
+disturbing anyone, a stopped learner not holding K = 1 rounds back, and restarts from checkpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from dilocod.outer import mean_merge, merge_weights, nesterov_step_
+from dilocod.transport.endpoints import connect
+from dilocod.transport.errors import SessionClosed, TransferFailed
+from dilocod.transport.loop import run
+from dilocod.wire.errors import ErrorCode
+from dilocod.wire.manifest import ModelEntry, pack_manifest
+from dilocod.wire.messages import Join, PushHeader, StatusRequest, StatusResponse
+
+from .learner_script import ScriptedLearner
+from .syncer_process import entry_model, start_syncer, write_entry
+
+DEADLINE_S = 120.0
+
+
+@pytest.fixture
+def entry_dir(tmp_path: Path) -> Path:
+    return write_entry(tmp_path / "entry")
+
+
+def _flat(values: dict[str, torch.Tensor], names: tuple[str, ...]) -> torch.Tensor:
+    shapes = {n: tuple(values[n].shape) for n in names}
+    manifest, raw = pack_manifest([(n, "float32", shapes[n]) for n in names])
+    flat = torch.zeros(raw // 4)
+    for entry in manifest:
+        flat[entry.offset // 4 : entry.offset // 4 + values[entry.name].numel()] = values[
+            entry.name
+        ].flatten()
+    return flat
+
+
+def test_lock_step_rounds_equal_dilocod_outer(tmp_path: Path, entry_dir: Path) -> None:
+    entries, initial = entry_model(entry_dir)
+    syncer = start_syncer(
+        tmp_path,
+        entry_dir,
+        tmp_path / "state",
+        *("--fragments", "2", "--sync-every", "2", "--overlap", "0", "--quorum", "2"),
+        *("--merge", "mean", "--grace-factor", "0", "--outer-lr", "0.7", "--outer-momentum", "0.9"),
+    )
+    learners = [
+        ScriptedLearner("a", syncer.port, entries, tokens_per_step=100, rate=1e-3, lockstep=True),
+        ScriptedLearner(
+            "b", syncer.port, entries, tokens_per_step=300, rate=3e-3, step_s=0.01, lockstep=True
+        ),
+    ]
+
+    async def main() -> None:
+        async with asyncio.timeout(DEADLINE_S):
+            await asyncio.gather(*(learner.join() for learner in learners))
+            # K = M and tau = 0: step k of both opens round k - 1, which both answer; every learner
+            # keeps answering after its 8 steps until all 8 rounds are merged and adopted.
+            stop = asyncio.Event()
+            runs = [asyncio.create_task(learner.run(steps=8, stop=stop)) for learner in learners]
+            await asyncio.gather(*(x.wait_until(lambda x=x: sum(x.versions) >= 8) for x in learners))
+            stop.set()
+            await asyncio.gather(*runs)
+        for learner in learners:
+            await learner.close()
+
+    try:
+        run(main())
+    finally:
+        assert syncer.stop() == 0, syncer.stderr()
+    plan = learners[0].plan
+    assert plan is not None and plan.quorum == 2 and plan.overlap == 0
+    # Healing: version 0 of every fragment is the factory's initial model.
+    params = [_flat(initial, names) for names in plan.fragments]
+    momentum = [torch.zeros_like(p) for p in params]
+    for learner in learners:
+        for p, version, data in learner.updates:
+            if version == 0:
+                assert torch.equal(torch.frombuffer(bytearray(data), dtype=torch.float32), params[p])
+    # Every round's pushes, merged here as lock-step DiLoCo does.
+    by_round: dict[tuple[int, int], list[tuple[str, object]]] = defaultdict(list)
+    for learner in learners:
+        for push in learner.pushes:
+            by_round[(push.round, push.fragment)].append((learner.name, push))
+    expected: dict[tuple[int, int], torch.Tensor] = {}
+    versions = [0] * len(params)
+    for (_, p), contributions in sorted(by_round.items()):
+        assert len(contributions) == 2, "K = M: every round merges both learners"
+        contributions.sort(key=lambda c: c[0])
+        pushes = [c[1] for c in contributions]
+        weights = merge_weights([x.c_tokens for x in pushes], [x.c_steps for x in pushes])
+        deltas = [[torch.frombuffer(bytearray(x.delta), dtype=torch.float32)] for x in pushes]
+        merged = mean_merge(deltas, weights)
+        nesterov_step_([params[p]], merged, [momentum[p]], lr=0.7, mu=0.9)
+        versions[p] += 1
+        expected[(p, versions[p])] = params[p].clone()
+    assert len(expected) >= 6, f"only {len(expected)} rounds merged"
+    seen = 0
+    for learner in learners:
+        for p, version, data in learner.updates:
+            if version > 0:
+                got = torch.frombuffer(bytearray(data), dtype=torch.float32)
+                torch.testing.assert_close(got, expected[(p, version)], rtol=1e-6, atol=1e-8)
+                seen += 1
+    assert seen == 2 * len(expected)
+    merged_lines = syncer.log_events("round merged")
+    assert len(merged_lines) == len(expected)
+    # Both learners in every round, weighted tokens x tokens per step (equal steps: 1 to 9).
+    assert all(line["contributors"] == ["a", "b"] for line in merged_lines)
+    assert all(line["weights"] == pytest.approx([0.1, 0.9], abs=1e-4) for line in merged_lines)
+
+
+def test_bad_input_is_refused_and_the_syncer_serves_on(tmp_path: Path, entry_dir: Path) -> None:
+    """A wrong model, a push nobody asked for, a push claiming a future version, and a non-finite
+    outer gradient: each refused with its code, counted, never merged; the others go on."""
+    entries, _ = entry_model(entry_dir)
+    syncer = start_syncer(
+        tmp_path, entry_dir, tmp_path / "state", "--fragments", "2", "--sync-every", "2", "--quorum", "1"
+    )
+    wrong = (ModelEntry(entries[0].name, "float32", (3, 3)), *entries[1:])
+
+    async def main() -> None:
+        async with asyncio.timeout(DEADLINE_S):
+            stranger = await connect("127.0.0.1", syncer.port, peer_id="wrong-model", streams=0)
+            await stranger.send(Join(wrong, ""))
+            with pytest.raises(SessionClosed) as refusal:
+                await stranger.recv()
+            assert refusal.value.code == ErrorCode.MODEL_MISMATCH
+            assert f"parameter {entries[0].name!r} has shape [3, 3] at the learner" in str(refusal.value)
+            await stranger.close()
+
+            good = ScriptedLearner("good", syncer.port, entries, step_s=0.01)
+            await good.join()
+            assert good.session is not None
+            await good.run(steps=4)
+            assert max(good.versions) >= 1, "rounds went on"
+            # A push for a round nobody opened: refused by its header, before its bytes are taken.
+            store = good.manifests[0]
+            raw = len(good.anchors[0]) * 4
+            header = PushHeader(store, raw, "none", 64 * 1024, fragment=0, round=999, base_version=0)
+            with pytest.raises(TransferFailed) as not_requested:
+                await good.session.send_fragment(header, bytearray(raw))
+            assert not_requested.value.code == ErrorCode.NOT_REQUESTED
+            # A diverged learner: its NaN push is screened out, the rounds go on with the others.
+            diverged = ScriptedLearner("diverged", syncer.port, entries, step_s=0.01, poison_pushes=1)
+            await diverged.join()
+            await asyncio.gather(good.run(steps=4), diverged.run(steps=4))
+            await diverged.close()
+            await good.session.send(StatusRequest())
+            while not isinstance(status := await good.session.recv(), StatusResponse):
+                pass
+            assert status.status["rejected_pushes"] >= 2
+            assert status.status["rejected_by_reason"]["non-finite"] == 1
+            await good.close()
+
+    try:
+        run(main())
+        assert syncer.alive()
+    finally:
+        assert syncer.stop() == 0, syncer.stderr()
+    assert syncer.log_events("model mismatch")
+    (rejected,) = syncer.log_events("push rejected")
+    assert rejected["learner"] == "diverged" and rejected["reason"] == "non-finite"
+    for merged in syncer.log_events("round merged"):
+        if merged["round"] == rejected["round"]:
+            assert "diverged" not in merged["contributors"]
+
+
+def test_status_command_reads_a_running_syncer(tmp_path: Path, entry_dir: Path) -> None:
+    entries, _ = entry_model(entry_dir)
+    syncer = start_syncer(tmp_path, entry_dir, tmp_path / "state", "--fragments", "3", "--sync-every", "3")
+
+    async def main() -> None:
+        learner = ScriptedLearner("solo", syncer.port, entries, step_s=0.01)
+        await learner.join()
+        await learner.run(steps=6)
+        await learner.close()
+
+    try:
+        run(main())
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dilocod",
+                "status",
+                "--syncer",
+                f"127.0.0.1:{syncer.port}",
+                "--insecure",
+                "--json",
+            ],
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr.decode()
+        status = json.loads(done.stdout)
+        assert [f["index"] for f in status["fragments"]] == [0, 1, 2]
+        assert status["rounds_merged"] >= 1 and sum(f["version"] for f in status["fragments"]) >= 1
+        (solo,) = status["learners"]
+        assert solo["id"] == "solo" and solo["contributions"] >= 1 and solo["weight_share"] == 1.0
+        for key in ("quorum_sizes", "grace_waited_s", "bytes_in", "bytes_out", "rejected_pushes"):
+            assert key in status
+    finally:
+        assert syncer.stop() == 0, syncer.stderr()
+
+
+def test_killed_syncer_resumes_from_its_checkpoint(tmp_path: Path, entry_dir: Path) -> None:
+    """kill -9 mid-training, restart on the same state dir: versions never fall below the
+    checkpoint's, and learners joining the new incarnation carry on from there."""
+    entries, _ = entry_model(entry_dir)
+    state = tmp_path / "state"
+    args = ("--fragments", "2", "--sync-every", "2", "--checkpoint-every-s", "0.3")
+    first = start_syncer(tmp_path, entry_dir, state, *args)
+
+    async def train(port: int, steps: int) -> list[int]:
+        learner = ScriptedLearner("m", port, entries, step_s=0.01)
+        await learner.join()
+        await learner.run(steps=steps)
+        await learner.close()
+        return learner.versions
+
+    try:
+        run(train(first.port, 10))
+        # A checkpoint that holds merged versions is a log line away; then kill without warning.
+        checkpoint = first.wait_for("checkpoint", lambda record: record["versions"] > 0, DEADLINE_S)
+        first.process.send_signal(signal.SIGKILL)
+        first.process.wait()
+        saved = checkpoint["versions"]
+    finally:
+        if first.alive():
+            first.kill()
+    second = start_syncer(tmp_path, entry_dir, state, *args)
+    try:
+        assert sum(second.info["versions"]) >= saved
+        assert second.info["incarnation"] != first.info["incarnation"]
+        versions = run(train(second.port, 6))
+        assert sum(versions) > sum(second.info["versions"]), "training carried on after the restart"
+    finally:
+        assert second.stop() == 0, second.stderr()

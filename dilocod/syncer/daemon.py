@@ -24,6 +24,7 @@ import structlog
 from dilocod.config import SyncerConfig
 from dilocod.contract import LearnerContext
 from dilocod.learner.entry import EntryError, load_trainer
+from dilocod.ops.notify import watchdog_loop
 from dilocod.outer import plan_fragments
 from dilocod.syncer.checkpoint import CheckpointError, load_latest_checkpoint
 from dilocod.syncer.model import GlobalModel, ModelMismatch, specs_of
@@ -126,6 +127,21 @@ def prepare(config: SyncerConfig, secret: bytes | None) -> Prepared:
     return Prepared(service, None if loaded is None else loaded.path)
 
 
+STATUS_EVERY_S = 10.0
+
+
+async def _report_status(notifier: Any, service: SyncerService) -> None:
+    """One STATUS= line for `systemctl status` every few seconds."""
+    while True:
+        await asyncio.sleep(STATUS_EVERY_S)
+        status = service.status()
+        live = sum(1 for learner in status["learners"] if learner["connected"])
+        notifier.status(
+            f"{live} learners, {status['rounds_merged']} rounds merged, "
+            f"{sum(f['version'] for f in status['fragments'])} fragment versions"
+        )
+
+
 def run_syncer(
     config: SyncerConfig,
     secret: bytes | None,
@@ -176,6 +192,15 @@ def run_syncer(
                 if notifier is not None:
                     notifier.ready()
 
-            await service.serve(stop, listening)
+            async with asyncio.TaskGroup() as tasks:
+                helpers = []
+                if notifier is not None and notifier.enabled:
+                    helpers.append(tasks.create_task(watchdog_loop(notifier, service.healthy)))
+                    helpers.append(tasks.create_task(_report_status(notifier, service)))
+                try:
+                    await service.serve(stop, listening)
+                finally:
+                    for helper in helpers:
+                        helper.cancel()
 
         run(main(), use_uvloop=use_uvloop)

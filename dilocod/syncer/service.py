@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -52,6 +52,9 @@ log = structlog.get_logger("dilocod.syncer")
 JOIN_TIMEOUT_S = 30.0
 #: An update that fails this many times in a row is given up until the next version.
 UPDATE_ATTEMPTS = 3
+#: The event loop's lag is sampled this often; the last LAG_SAMPLES make the status figures.
+LAG_INTERVAL_S = 0.05
+LAG_SAMPLES = 1200
 _REFUSAL_CODES = {
     Refusal.NOT_REQUESTED: ErrorCode.NOT_REQUESTED,
     Refusal.STALE_VERSION: ErrorCode.STALE_VERSION,
@@ -111,6 +114,8 @@ class SyncerService:
         self._merges: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._server: Server | None = None
+        self._lag_ms: deque[float] = deque(maxlen=LAG_SAMPLES)
+        self._merge_started: dict[int, float] = {}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -132,14 +137,19 @@ class SyncerService:
             ):
                 self._server, self._tasks = server, tasks
                 host, port = await server.listen(self.config.listen.host, self.config.listen.port)
-                ticker = tasks.create_task(self._ticker(), name="ticker")
-                checkpointer = tasks.create_task(self._checkpoint_loop(), name="checkpoints")
+                background = [
+                    tasks.create_task(self._ticker(), name="ticker"),
+                    tasks.create_task(self._checkpoint_loop(), name="checkpoints"),
+                    tasks.create_task(self._watch_lag(), name="loop lag"),
+                ]
+                if self.config.metrics is not None:
+                    background.append(tasks.create_task(self._serve_metrics(), name="metrics"))
                 ready(host, port)
                 await stop.wait()
                 self._stopping = True
                 log.info("stopping", merges_in_flight=len(self._merges))
-                ticker.cancel()
-                checkpointer.cancel()
+                for task in background:
+                    task.cancel()
                 if self._merges:
                     await asyncio.wait(self._merges, timeout=60.0)
                 await self.checkpoint()
@@ -177,6 +187,31 @@ class SyncerService:
                 await self.checkpoint()
             except Exception as exc:  # a full disk must not stop training; the next try may work
                 log.error("checkpoint failed", error=repr(exc))
+
+    async def _watch_lag(self) -> None:
+        """How late the loop wakes up: what every session feels while something blocks it."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + LAG_INTERVAL_S
+            await asyncio.sleep(LAG_INTERVAL_S)
+            self._lag_ms.append(max(0.0, (loop.time() - due) * 1e3))
+
+    def healthy(self) -> bool:
+        """For the systemd watchdog: no merge has been stuck in the worker for ten minutes."""
+        now = self.clock()
+        return all(now - started < 600.0 for started in self._merge_started.values())
+
+    async def _serve_metrics(self) -> None:
+        from dilocod.ops.metrics import MetricsServer  # noqa: PLC0415 - only with --metrics
+        from dilocod.syncer.metrics import render_syncer_metrics  # noqa: PLC0415
+
+        address = self.config.metrics
+        assert address is not None
+        async with MetricsServer(
+            address.host, address.port, lambda: render_syncer_metrics(self.status())
+        ) as server:
+            log.info("metrics", host=address.host, port=server.port)
+            await asyncio.Event().wait()  # until cancelled at shutdown
 
     async def _ticker(self) -> None:
         """Wake the state machine at its next grace deadline (or when told the deadline moved)."""
@@ -409,12 +444,15 @@ class SyncerService:
             target=target,
             version=merge.version + 1,
         )
+        self._merge_started[merge.round_index] = started
         try:
             snapshot = await asyncio.get_running_loop().run_in_executor(self._executor, run)
         except Exception as exc:
             log.error("merge failed", fragment=merge.fragment, round=merge.round_index, error=repr(exc))
             self.rounds.merge_failed(merge.round_index, self.clock())
             return
+        finally:
+            self._merge_started.pop(merge.round_index, None)
         version = self.rounds.merged(merge.round_index, self.clock())
         self.model.publish(merge.fragment, snapshot)
         for _, buffer in held:
@@ -516,5 +554,14 @@ class SyncerService:
             "rejected_pushes": sum(rounds.rejected.values()),
             "rejected_by_reason": dict(rounds.rejected),
             "checkpoints_written": self.checkpoints_written,
+            "loop_lag_ms": _quantiles(self._lag_ms),
             "last_checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
         }
+
+
+def _quantiles(samples: deque[float]) -> dict[str, float]:
+    if not samples:
+        return {"p50": 0.0, "p99": 0.0, "max": 0.0}
+    ordered = sorted(samples)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {"p50": round(pick(0.5), 3), "p99": round(pick(0.99), 3), "max": round(ordered[-1], 3)}

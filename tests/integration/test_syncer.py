@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import sys
+import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
@@ -182,7 +184,12 @@ def test_bad_input_is_refused_and_the_syncer_serves_on(tmp_path: Path, entry_dir
 
 def test_status_command_reads_a_running_syncer(tmp_path: Path, entry_dir: Path) -> None:
     entries, _ = entry_model(entry_dir)
-    syncer = start_syncer(tmp_path, entry_dir, tmp_path / "state", "--fragments", "3", "--sync-every", "3")
+    syncer = start_syncer(
+        tmp_path,
+        entry_dir,
+        tmp_path / "state",
+        *("--fragments", "3", "--sync-every", "3", "--metrics", "127.0.0.1:0"),
+    )
 
     async def main() -> None:
         learner = ScriptedLearner("solo", syncer.port, entries, step_s=0.01)
@@ -215,6 +222,15 @@ def test_status_command_reads_a_running_syncer(tmp_path: Path, entry_dir: Path) 
         assert solo["id"] == "solo" and solo["contributions"] >= 1 and solo["weight_share"] == 1.0
         for key in ("quorum_sizes", "grace_waited_s", "bytes_in", "bytes_out", "rejected_pushes"):
             assert key in status
+        assert status["loop_lag_ms"]["p99"] >= 0
+        # The same numbers as Prometheus text.
+        port = syncer.wait_for("metrics", lambda record: True, DEADLINE_S)["port"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+            text = response.read().decode()
+        merged = re.search(r"^dilocod_rounds_merged_total (\S+)$", text, re.MULTILINE)
+        assert merged is not None and float(merged.group(1)) == status["rounds_merged"]
+        assert 'dilocod_learner_contributions_total{learner="solo"}' in text
+        assert 'dilocod_fragment_version{fragment="2"}' in text
     finally:
         assert syncer.stop() == 0, syncer.stderr()
 

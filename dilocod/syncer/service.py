@@ -464,6 +464,8 @@ class SyncerService:
             version=version,
             contributors=[p.learner for p in merge.pushes],
             weights=[round(w, 4) for w in merge.weights],
+            tokens=[p.c_tokens for p in merge.pushes],
+            steps=[p.c_steps for p in merge.pushes],
             bytes=len(held) * self.model.fragments[merge.fragment].raw_bytes,
             grace_waited_s=round(merge.grace_waited_s, 4),
             duration_s=round(self.clock() - started, 4),

@@ -268,3 +268,53 @@ def test_killed_syncer_resumes_from_its_checkpoint(tmp_path: Path, entry_dir: Pa
         assert sum(versions) > sum(second.info["versions"]), "training carried on after the restart"
     finally:
         assert second.stop() == 0, second.stderr()
+
+
+LEARNER_SCRIPT = Path(__file__).with_name("learner_script.py")
+SPEEDS = {"a": (0.02, 100), "b": (0.03, 200), "c": (0.04, 300)}  # step seconds, tokens per step
+
+
+def test_a_stopped_learner_does_not_hold_k1_rounds_back(tmp_path: Path, entry_dir: Path) -> None:
+    """Three learner processes at different speeds, K = 1: SIGSTOP one and the rounds go on
+    without it; SIGCONT and it contributes again. Every merge weighs tokens x tokens per step."""
+    entries, _ = entry_model(entry_dir)
+    syncer = start_syncer(
+        tmp_path, entry_dir, tmp_path / "state", "--fragments", "3", "--sync-every", "3", "--quorum", "1"
+    )
+    shapes = json.dumps([[e.name, list(e.shape)] for e in entries])
+    learners: dict[str, subprocess.Popen[bytes]] = {}
+    try:
+        for name, (step_s, tokens) in SPEEDS.items():
+            command = [sys.executable, str(LEARNER_SCRIPT), "--port", str(syncer.port), "--id", name]
+            command += ["--shapes", shapes, "--step-s", str(step_s), "--tokens", str(tokens)]
+            with (tmp_path / f"{name}.stderr").open("wb") as stderr:
+                learners[name] = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
+        syncer.wait_for("round merged", lambda r: "c" in r["contributors"], DEADLINE_S)
+        learners["c"].send_signal(signal.SIGSTOP)
+        stopped_after = syncer.log_events("round merged")[-1]["round"]
+        # Rounds opened once c was stopped (after the two that may hold its last push) merge anyway.
+        syncer.wait_for("round merged", lambda r: r["round"] >= stopped_after + 8, DEADLINE_S)
+        during = [
+            r
+            for r in syncer.log_events("round merged")
+            if stopped_after + 2 < r["round"] <= stopped_after + 8
+        ]
+        assert len(during) >= 4 and all("c" not in r["contributors"] for r in during), during
+        learners["c"].send_signal(signal.SIGCONT)
+        syncer.wait_for(
+            "round merged", lambda r: r["round"] > stopped_after + 8 and "c" in r["contributors"], DEADLINE_S
+        )
+    finally:
+        for process in learners.values():
+            process.send_signal(signal.SIGCONT)
+            process.kill()
+            process.wait()
+        assert syncer.stop() == 0, syncer.stderr()
+    merged = syncer.log_events("round merged")
+    assert len({name for r in merged for name in r["contributors"]}) == 3
+    for record in merged:
+        assert record["weights"] == pytest.approx(merge_weights(record["tokens"], record["steps"]), abs=1e-4)
+        for name, tokens, steps in zip(
+            record["contributors"], record["tokens"], record["steps"], strict=True
+        ):
+            assert tokens == steps * SPEEDS[name][1]

@@ -36,5 +36,42 @@ async def fetch_status(address: Address, *, secret: bytes | None, timeout_s: flo
 
 
 def format_status(status: dict[str, Any]) -> str:
-    width = max((len(str(k)) for k in status), default=0)
-    return "\n".join(f"{key:<{width}}  {value}" for key, value in sorted(status.items()))
+    """For a person: the syncer's summary, its fragments and its learners as tables; any other
+    daemon's status as key: value lines."""
+    if status.get("role") != "syncer":
+        width = max((len(str(k)) for k in status), default=0)
+        return "\n".join(f"{key:<{width}}  {value}" for key, value in sorted(status.items()))
+    lag = status.get("loop_lag_ms", {})
+    lines = [
+        f"syncer {status['incarnation']}  up {status['uptime_s']:.0f} s  clock {status['clock']}  "
+        f"next round {status['next_round']}",
+        f"rounds merged {status['rounds_merged']}  abandoned {status['rounds_abandoned']}  "
+        f"quorum sizes {_sizes(status['quorum_sizes'])}  grace waited {status['grace_waited_s']:.2f} s",
+        f"received {_bytes(status['bytes_in'])}  sent {_bytes(status['bytes_out'])}  "
+        f"rejected pushes {status['rejected_pushes']}  checkpoints {status['checkpoints_written']}  "
+        f"loop lag p99 {lag.get('p99', 0.0):.1f} ms",
+        "",
+        "fragment versions: " + " ".join(f"{f['index']}:{f['version']}" for f in status["fragments"]),
+        "",
+        f"{'learner':<20} {'connected':>9} {'steps/s':>8} {'steps':>8} {'merged':>7} {'weight share':>13}",
+    ]
+    for learner in status["learners"]:
+        connected = "yes" if learner["connected"] else "no"
+        lines.append(
+            f"{learner['id']:<20} {connected:>9} {learner['steps_per_s']:>8.2f} {learner.get('steps', 0):>8} "
+            f"{learner['contributions']:>7} {learner['weight_share']:>13.1%}"
+        )
+    if not status["learners"]:
+        lines.append("(no learner has joined yet)")
+    return "\n".join(lines)
+
+
+def _sizes(sizes: dict[str, int]) -> str:
+    return ", ".join(f"{k}x{v}" for k, v in sizes.items()) or "-"
+
+
+def _bytes(count: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count} B"

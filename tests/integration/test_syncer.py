@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from dilocod.outer import mean_merge, merge_weights, nesterov_step_
 from dilocod.transport.endpoints import connect
@@ -27,7 +28,7 @@ from dilocod.transport.errors import SessionClosed, TransferFailed
 from dilocod.transport.loop import run
 from dilocod.wire.errors import ErrorCode
 from dilocod.wire.manifest import ModelEntry, pack_manifest
-from dilocod.wire.messages import Join, PushHeader, StatusRequest, StatusResponse
+from dilocod.wire.messages import Join, Plan, PushHeader, StatusRequest, StatusResponse
 
 from .learner_script import ScriptedLearner
 from .syncer_process import entry_model, start_syncer, write_entry
@@ -227,6 +228,18 @@ def test_status_command_reads_a_running_syncer(tmp_path: Path, entry_dir: Path) 
         port = syncer.wait_for("metrics", lambda record: True, DEADLINE_S)["port"]
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
             text = response.read().decode()
+        table = subprocess.run(
+            [sys.executable, "-m", "dilocod", "status", "--syncer", f"127.0.0.1:{syncer.port}", "--insecure"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert table.returncode == 0, table.stderr
+        assert "fragment versions: 0:" in table.stdout
+        assert re.search(r"^solo\s+no\s+[\d.]+\s+6\s+\d+\s+100\.0%$", table.stdout, re.MULTILINE), (
+            table.stdout
+        )
         merged = re.search(r"^dilocod_rounds_merged_total (\S+)$", text, re.MULTILINE)
         assert merged is not None and float(merged.group(1)) == status["rounds_merged"]
         assert 'dilocod_learner_contributions_total{learner="solo"}' in text
@@ -318,3 +331,75 @@ def test_a_stopped_learner_does_not_hold_k1_rounds_back(tmp_path: Path, entry_di
             record["contributors"], record["tokens"], record["steps"], strict=True
         ):
             assert tokens == steps * SPEEDS[name][1]
+
+
+def test_config_file_flags_win_and_bad_values_are_named(tmp_path: Path, entry_dir: Path) -> None:
+    """Every flag is a TOML key and flags win; a bad key or value exits 78 naming it; a syncer
+    listening beyond loopback without a secret refuses to start; export writes the global model."""
+    config = tmp_path / "syncer.toml"
+    config.write_text('fragments = 3\nsync-every = 6\nmerge = "mean"\nquorum = 1\n')
+    syncer = start_syncer(
+        tmp_path, entry_dir, tmp_path / "state", "--config", str(config), "--fragments", "2"
+    )
+    try:
+        assert syncer.info["fragments"] == 2  # the flag beat the file
+        entries, _ = entry_model(entry_dir)
+
+        async def one_learner() -> Plan:
+            learner = ScriptedLearner("cfg", syncer.port, entries, step_s=0.01)
+            await learner.join()
+            await learner.run(steps=6)
+            await learner.close()
+            assert learner.plan is not None
+            return learner.plan
+
+        plan = run(one_learner())
+        assert (plan.sync_every, plan.quorum, len(plan.fragments)) == (6, 1, 2)
+    finally:
+        assert syncer.stop() == 0, syncer.stderr()
+    out = tmp_path / "model.safetensors"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dilocod",
+            "export",
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr.decode()
+
+    exported = load_file(str(out))
+    assert sorted(exported) == sorted(e.name for e in entries)
+
+    def refused(*args: str) -> str:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dilocod",
+                "syncer",
+                "--entry",
+                "x:y",
+                "--state-dir",
+                str(tmp_path / "s2"),
+                *args,
+            ],
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 78, done.stderr.decode()
+        return done.stderr.decode()
+
+    config.write_text("fragmnts = 3\n")
+    assert "unknown key 'fragmnts'" in refused("--config", str(config), "--insecure")
+    assert "--quorum: 'zero' is not an integer" in refused("--quorum", "zero", "--insecure")
+    assert "without a shared secret" in refused("--listen", "0.0.0.0:0")
+    assert "no module named 'x'" in refused("--insecure", "--listen", "127.0.0.1:0")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +41,13 @@ def _parsed(parse: Callable[[], Any]) -> Any:
         return parse()
     except ConfigError as exc:
         _config_error(str(exc))
+
+
+def _user_traceback(exc: BaseException) -> None:
+    """After our one-paragraph message, the traceback of the user's own code that raised, if any."""
+    if exc.__cause__ is not None:
+        click.echo("", err=True)
+        traceback.print_exception(exc.__cause__, file=sys.stderr)
 
 
 def _load_secret(secret_file: Path | None, insecure: bool, listen: Address | None = None) -> bytes | None:
@@ -257,6 +265,7 @@ def syncer(config_file: Path | None, ready_json: bool, uvloop: bool, **flags: An
         run_syncer(config, secret, ready=ready, use_uvloop=uvloop, notifier=notifier)
     except SetupError as exc:
         click.echo(f"dilocod syncer: {exc}", err=True)
+        _user_traceback(exc)
         sys.exit(EX_CONFIG)
 
 
@@ -278,3 +287,89 @@ def export(state_dir: Path, out: Path) -> None:
         click.echo(f"dilocod export: {exc}", err=True)
         sys.exit(1)
     click.echo(f"wrote {out}", err=True)
+
+
+@main.command()
+@click.option(
+    "--config", "config_file", type=click.Path(path_type=Path, dir_okay=False), help="TOML file; flags win."
+)
+@click.option("--syncer", help="HOST:PORT of the syncer.")
+@click.option("--entry", help="MODULE:FACTORY (or an installed dilocod.trainers name) of your training.")
+@click.option("--id", "id_", help="This learner's name (unique per learner; a restart reuses it).")
+@click.option("--state-dir", help="Where the local state (model, inner optimizer, data cursor) is kept.")
+@click.option("--device", help="cuda, cuda:N or cpu.  [default: cuda if available, else cpu]")
+@click.option("--steps", help="Stop after this many inner steps (default: run until stopped).")
+@click.option("--streams", help="Data connections to the syncer, or auto.  [default: auto = 4]")
+@click.option("--codec", help="Codec of pushes: auto, none, lz4 or zstd.  [default: auto = none]")
+@click.option("--precision", help="Wire precision of outer gradients.  [default: fp32]")
+@click.option(
+    "--apply", help="overwrite, mix or keep-local: how merged fragments are applied.  [default: overwrite]"
+)
+@click.option("--mix-alpha", help="Weight of the local fragment in --apply mix.  [default: 0.5]")
+@click.option("--secret-file", help="File holding the shared secret (at least 16 bytes).")
+@click.option("--insecure", is_flag=True, default=None, help="Connect without authentication.")
+@click.option("--chunk", help="Chunk size of pushes.  [default: 1MiB]")
+@click.option("--save-every-s", help="Seconds between saves of the local state.  [default: 300]")
+@click.option(
+    "--join-timeout-s", help="How long to wait for the first heal before training anyway.  [default: 60]"
+)
+@click.option("--seed", help="Seed handed to the factory.  [default: 0]")
+@click.option("--uvloop/--no-uvloop", default=True, show_default=True, help="Use uvloop if installed.")
+def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: Any) -> None:
+    """Train with your own step function and sync with the syncer without ever waiting on it.
+
+    Loads --entry and checks it before connecting anywhere. The training loop runs on the main
+    thread; the network on its own thread. At step boundaries it copies requested fragments out
+    (their outer gradients are computed off the training thread) and applies merged fragments as
+    they arrive. Reconnects with backoff and heals from the syncer after any restart. Every flag
+    is also a key of the --config TOML file; flags win. SIGTERM saves the local state and exits.
+    """
+    from dilocod.config import LEARNER_FIELDS, LearnerConfig, load_config  # noqa: PLC0415
+    from dilocod.ops.logging import configure_logging  # noqa: PLC0415
+
+    config = _parsed(lambda: load_config(LearnerConfig, LEARNER_FIELDS, config_file, {**flags, "id": id_}))
+    for key in ("syncer", "entry", "id"):
+        if getattr(config, key) is None:
+            _config_error(f"--{key} is required (or set {key} in the --config file)")
+    secret = _load_secret(config.secret_file, config.insecure)
+    if secret is None and not config.insecure:
+        _config_error("--secret-file FILE (the syncer's shared secret) or --insecure is required")
+    configure_logging()
+    import torch  # noqa: PLC0415 - after the cheap checks, so typos fail fast
+
+    from dilocod.learner.daemon import LearnerSetup, LearnerSetupError, run_learner  # noqa: PLC0415
+    from dilocod.learner.link import LinkConfig  # noqa: PLC0415
+    from dilocod.learner.runtime import RuntimeConfig  # noqa: PLC0415
+
+    device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    assert config.syncer is not None and config.entry is not None and config.id is not None
+    setup = LearnerSetup(
+        runtime=RuntimeConfig(
+            entry=config.entry,
+            apply=config.apply,
+            mix_alpha=config.mix_alpha,
+            steps=config.steps,
+            state_dir=config.state_dir,
+            save_every_s=config.save_every_s,
+            join_timeout_s=config.join_timeout_s,
+        ),
+        link=LinkConfig(
+            host=config.syncer.host,
+            port=config.syncer.port,
+            learner_id=config.id,
+            secret=secret,
+            streams=4 if config.streams == "auto" else int(config.streams),
+            codec="none" if config.codec == "auto" else config.codec,
+            chunk_bytes=config.chunk,
+            join_timeout_s=config.join_timeout_s,
+        ),
+        device=device,
+        seed=config.seed,
+        use_uvloop=uvloop,
+    )
+    try:
+        run_learner(setup)
+    except LearnerSetupError as exc:
+        click.echo(f"dilocod learner: {exc}", err=True)
+        _user_traceback(exc)
+        sys.exit(EX_CONFIG)

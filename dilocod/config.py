@@ -256,3 +256,68 @@ def load_config(cls: type[C], fields: dict[str, Parse], path: Path | None, flags
         if value is not None:
             values[key] = fields[key](value, f"--{key.replace('_', '-')}")
     return cls(**values)
+
+
+APPLY_MODES = ("overwrite", "mix", "keep-local")
+PRECISIONS = ("fp32",)
+
+
+def _auto_or(parse: Parse) -> Parse:
+    def parsed(value: object, key: str) -> object:
+        return "auto" if value == "auto" else parse(value, key)
+
+    return parsed
+
+
+def _learner_id(value: object, key: str) -> str:
+    text = _text()(value, key)
+    if len(text.encode()) > 128 or not text.isprintable():
+        raise ConfigError(f"{key}: {text!r} must be printable and at most 128 bytes")
+    return text
+
+
+@dataclass(frozen=True, slots=True)
+class LearnerConfig:
+    """`dilocod learner`: defaults here, then a TOML file, then flags."""
+
+    syncer: Address | None = None
+    entry: str | None = None
+    id: str | None = None
+    state_dir: Path | None = None
+    #: "auto" picks cuda when this host has it, else cpu.
+    device: str = "auto"
+    steps: int | None = None
+    #: Data connections to the syncer; "auto" = 4 until `dilocod bench` recommends a number.
+    streams: int | str = "auto"
+    #: Codec of pushes; "auto" = none until `dilocod bench` recommends one.
+    codec: str = "auto"
+    precision: str = "fp32"
+    apply: str = "overwrite"
+    mix_alpha: float = 0.5
+    secret_file: Path | None = None
+    insecure: bool = False
+    chunk: int = 1 << 20
+    save_every_s: float = 300.0
+    join_timeout_s: float = 60.0
+    seed: int = 0
+
+
+LEARNER_FIELDS: dict[str, Parse] = {
+    "syncer": _address(DEFAULT_PORT),
+    "entry": _text(),
+    "id": _learner_id,
+    "state_dir": _path,
+    "device": _text(),
+    "steps": _integer(1),
+    "streams": _auto_or(_integer(0, 64)),
+    "codec": _text(("auto", *WIRE_CODECS)),
+    "precision": _text(PRECISIONS),
+    "apply": _text(APPLY_MODES),
+    "mix_alpha": _number(0.0, 1.0),
+    "secret_file": _path,
+    "insecure": _flag,
+    "chunk": _size,
+    "save_every_s": _number(0.0, low_open=True),
+    "join_timeout_s": _number(0.0, low_open=True),
+    "seed": _integer(0, 2**63 - 1),
+}

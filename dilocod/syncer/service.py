@@ -393,6 +393,13 @@ class SyncerService:
                     self._merges.add(task)
                     task.add_done_callback(self._merges.discard)
             elif isinstance(action, Release):
+                log.info(
+                    "push released",
+                    learner=action.push.learner,
+                    fragment=action.push.fragment,
+                    round=action.push.round_index,
+                    reason=action.reason,
+                )
                 held = self._push_buffers.pop((action.push.learner, action.push.round_index), None)
                 if held is not None:
                     self._give_back(held[1])

@@ -1,0 +1,169 @@
+"""The one thread boundary of the learner: bounded, lock-protected mailboxes between the training
+loop (main thread) and the network (an event loop on its own thread).
+
+Network to training: the plan, merged fragments to adopt (the newest per fragment replaces an older
+one not yet applied), fragment requests (one per fragment), and a fatal error. The training thread
+takes them all at a step boundary and never waits for them (except when told to: tau = 0, or the
+first heal). Training to network: snapshots of requested fragments (one per fragment) and step
+reports; the network loop is woken with call_soon_threadsafe, once per batch. Nothing here blocks
+the training thread on the network. Must not import torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from dilocod.wire.messages import FragmentRequest, Plan
+
+#: Step reports kept for the network while it is away; older ones are dropped (the syncer only
+#: uses them as a clock and a rate).
+MAX_PENDING_STEPS = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class Adopt:
+    """A merged fragment (wire layout, float32) to apply at the next step boundary."""
+
+    fragment: int
+    version: int
+    buffer: bytearray
+    #: From a (re)join: replaces the local fragment whatever the apply mode.
+    heal: bool
+    incarnation: str
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A requested fragment as it was at a step boundary, for the network to turn into a push."""
+
+    fragment: int
+    round: int
+    base_version: int
+    c_steps: int
+    c_tokens: int
+    #: θ_p in wire layout (float32); the anchor is the buffer of the update last applied.
+    theta: bytearray
+    anchor: bytearray
+    #: Waits until theta holds its bytes (a device copy in flight); None when already complete.
+    ready: Callable[[], None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepReportItem:
+    step: int
+    tokens: int
+    step_time_s: float
+
+
+@dataclass(slots=True)
+class Inbox:
+    plan: Plan | None = None
+    updates: list[Adopt] = field(default_factory=list)
+    requests: list[FragmentRequest] = field(default_factory=list)
+    fatal: str | None = None
+
+
+class Bridge:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._posted = threading.Condition(self._lock)
+        self._plan: Plan | None = None
+        self._updates: dict[int, Adopt] = {}
+        self._requests: dict[int, FragmentRequest] = {}
+        self._fatal: str | None = None
+        self._snapshots: dict[int, Snapshot] = {}
+        self._steps: deque[StepReportItem] = deque(maxlen=MAX_PENDING_STEPS)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._on_outbox: Callable[[], None] | None = None
+        self._wake_scheduled = False
+
+    # ------------------------------------------------------------------ network side
+
+    def attach(self, loop: asyncio.AbstractEventLoop, on_outbox: Callable[[], None]) -> None:
+        with self._lock:
+            self._loop, self._on_outbox = loop, on_outbox
+
+    def post_plan(self, plan: Plan) -> None:
+        with self._posted:
+            self._plan = plan
+            # Requests and updates of an older plan mean nothing under the new one.
+            self._updates.clear()
+            self._requests.clear()
+            self._posted.notify_all()
+
+    def post_update(self, adopt: Adopt) -> None:
+        with self._posted:
+            pending = self._updates.get(adopt.fragment)
+            if pending is None or pending.version <= adopt.version or adopt.heal:
+                self._updates[adopt.fragment] = Adopt(
+                    adopt.fragment,
+                    adopt.version,
+                    adopt.buffer,
+                    adopt.heal or (pending is not None and pending.heal),
+                    adopt.incarnation,
+                )
+            self._posted.notify_all()
+
+    def post_request(self, request: FragmentRequest) -> None:
+        with self._posted:
+            self._requests[request.fragment] = request
+            self._posted.notify_all()
+
+    def post_fatal(self, message: str) -> None:
+        with self._posted:
+            self._fatal = message
+            self._posted.notify_all()
+
+    def drain(self) -> tuple[list[Snapshot], list[StepReportItem]]:
+        with self._lock:
+            snapshots = [self._snapshots.pop(k) for k in sorted(self._snapshots)]
+            steps = list(self._steps)
+            self._steps.clear()
+            self._wake_scheduled = False
+        return snapshots, steps
+
+    # ------------------------------------------------------------------ training side
+
+    def take(self) -> Inbox:
+        """Everything the network posted since the last call (never waits)."""
+        with self._lock:
+            inbox = Inbox(
+                self._plan,
+                [self._updates.pop(k) for k in sorted(self._updates)],
+                [self._requests.pop(k) for k in sorted(self._requests)],
+                self._fatal,
+            )
+            self._plan = None
+        return inbox
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until the network posts something or timeout_s passes (tau = 0, first heal)."""
+        with self._posted:
+            if self._plan is None and not self._updates and not self._requests and self._fatal is None:
+                self._posted.wait(timeout_s)
+
+    def send_snapshot(self, snapshot: Snapshot) -> None:
+        with self._lock:
+            self._snapshots[snapshot.fragment] = snapshot
+        self._wake()
+
+    def report_step(self, item: StepReportItem) -> None:
+        with self._lock:
+            self._steps.append(item)
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._lock:
+            if self._wake_scheduled or self._loop is None or self._on_outbox is None:
+                return
+            self._wake_scheduled = True
+            loop, callback = self._loop, self._on_outbox
+        try:
+            loop.call_soon_threadsafe(callback)
+        except RuntimeError:  # the network loop has closed: nothing will read the outbox
+            with self._lock:
+                self._wake_scheduled = False

@@ -1,0 +1,92 @@
+"""Where each fragment of the syncer's plan lives in the learner's model, and how it is laid out on
+the wire: the fragment's parameters (tied ones once) in plan order, packed as float32 exactly as
+the syncer packs them (wire.manifest.pack_manifest), so an update's bytes are read in place and a
+push's bytes are written in place.
+
+Checks the plan against the model before anything is trained: a learner whose parameter names or
+shapes differ from the syncer's gets a PlanMismatch naming the first difference. Must not import
+networking.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dilocod.wire.manifest import ModelEntry, TensorEntry, pack_manifest
+from dilocod.wire.messages import Plan
+
+WIRE_DTYPES: dict[torch.dtype, str] = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float64: "float64",
+}
+
+
+class PlanMismatch(ValueError):
+    """The syncer's model is not this learner's model; the message names the first difference."""
+
+
+def model_entries(model: torch.nn.Module) -> tuple[ModelEntry, ...]:
+    """The model's parameters as JOIN lists them: a Parameter shared under several names once."""
+    seen: set[int] = set()
+    entries: list[ModelEntry] = []
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if id(parameter) in seen:
+            continue
+        seen.add(id(parameter))
+        dtype = WIRE_DTYPES.get(parameter.dtype)
+        if dtype is None:
+            raise PlanMismatch(f"parameter {name!r} has dtype {parameter.dtype}; only float parameters train")
+        entries.append(ModelEntry(name, dtype, tuple(parameter.shape)))
+    return tuple(entries)
+
+
+@dataclass(frozen=True, slots=True)
+class FragmentLayout:
+    index: int
+    manifest: tuple[TensorEntry, ...]
+    raw_bytes: int
+    params: tuple[Tensor, ...]
+
+    def views(self, buffer: bytearray | memoryview) -> list[Tensor]:
+        """float32 views of this fragment's tensors onto a wire-layout buffer (sharing memory)."""
+        if len(buffer) != self.raw_bytes:
+            raise ValueError(f"fragment {self.index}: {len(buffer)} bytes, the layout has {self.raw_bytes}")
+        raw = (
+            torch.frombuffer(buffer, dtype=torch.uint8)
+            if self.raw_bytes
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        return [raw[e.offset : e.offset + e.nbytes].view(torch.float32).view(e.shape) for e in self.manifest]
+
+
+def layouts_for(plan: Plan, model: torch.nn.Module) -> list[FragmentLayout]:
+    """The plan's fragments over this model's parameters, after checking that the models agree."""
+    ours = model_entries(model)
+    check_plan(plan, ours)
+    parameters = dict(model.named_parameters())
+    layouts = []
+    for index, names in enumerate(plan.fragments):
+        manifest, raw_bytes = pack_manifest([(n, "float32", parameters[n].shape) for n in names])
+        layouts.append(FragmentLayout(index, tuple(manifest), raw_bytes, tuple(parameters[n] for n in names)))
+    return layouts
+
+
+def check_plan(plan: Plan, ours: Sequence[ModelEntry]) -> None:
+    theirs = {e.name: e for e in plan.model}
+    for entry in ours:
+        other = theirs.get(entry.name)
+        if other is None:
+            raise PlanMismatch(f"parameter {entry.name!r} of this learner is not in the syncer's model")
+        if other.shape != entry.shape:
+            here, there = list(entry.shape), list(other.shape)
+            raise PlanMismatch(f"parameter {entry.name!r} has shape {here} here, {there} at the syncer")
+    mine = {e.name for e in ours}
+    for entry in plan.model:
+        if entry.name not in mine:
+            raise PlanMismatch(f"the syncer's parameter {entry.name!r} is missing from this learner's model")

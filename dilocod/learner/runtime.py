@@ -1,0 +1,298 @@
+"""The learner's training loop, on the main thread: the user's step, and at every step boundary the
+outer loop's two touches on the parameters (DESIGN.md §3.3). Parameters change only here.
+
+At a step boundary, in this order:
+1. merged fragments that arrived are applied (heal: overwrite; otherwise the chosen mode), the
+   update's buffer becomes the fragment's anchor, its counters restart;
+2. requested fragments are copied out (to host memory, in wire layout) with their counters and
+   anchor, for the network thread to turn into a push;
+then the user's step runs. Nothing here waits on the network, except with tau = 0 (lock-step: the
+learner waits for the merged fragment it pushed before stepping on) and, once at start, for the
+first heal (bounded by join_timeout_s; training starts anyway when the syncer is away).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from dilocod.contract import Trainer
+from dilocod.learner.bridge import Adopt, Bridge, Snapshot, StepReportItem
+from dilocod.learner.entry import check_step_result
+from dilocod.learner.layout import FragmentLayout, layouts_for
+from dilocod.learner.state import load_local_state, save_local_state
+from dilocod.outer import apply_update_
+
+log = structlog.get_logger("dilocod.learner")
+
+
+class LearnerStopped(Exception):
+    """The network side gave up for good (e.g. the syncer's model is not ours)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeConfig:
+    entry: str
+    apply: str = "overwrite"
+    mix_alpha: float = 0.5
+    steps: int | None = None
+    state_dir: Path | None = None
+    save_every_s: float = 300.0
+    join_timeout_s: float = 60.0
+    progress_every_s: float = 5.0
+
+
+@dataclass(slots=True)
+class Progress:
+    steps: int = 0
+    tokens: int = 0
+    last_loss: float | None = None
+    applied: int = 0
+    snapshots: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+class HostCopier:
+    """Copies a fragment's parameters into a wire-layout float32 host buffer.
+
+    On the CPU it is a plain copy. On CUDA the copy runs on a side stream into page-locked memory
+    (non-blocking, ordered after the step that produced the values); the main stream waits for it
+    before the next step changes the parameters, and the network thread waits on its event before
+    reading the bytes, so the training thread itself never blocks on it.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def copy_out(self, layout: FragmentLayout) -> tuple[bytearray, Callable[[], None] | None]:
+        buffer = bytearray(layout.raw_bytes)
+        if not layout.raw_bytes:
+            return buffer, None
+        views = layout.views(buffer)
+        if self._stream is None:
+            with torch.no_grad():
+                for view, param in zip(views, layout.params, strict=True):
+                    view.copy_(param)
+            return buffer, None
+        host = torch.frombuffer(buffer, dtype=torch.uint8)
+        cudart = torch.cuda.cudart()
+        cudart.cudaHostRegister(host.data_ptr(), layout.raw_bytes, 0)
+        main = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(main)
+        with torch.no_grad(), torch.cuda.stream(self._stream):
+            for view, param in zip(views, layout.params, strict=True):
+                view.copy_(param.detach().to(torch.float32), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        main.wait_event(done)
+
+        def ready() -> None:
+            done.synchronize()
+            cudart.cudaHostUnregister(host.data_ptr())
+
+        return buffer, ready
+
+    def to_device(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return tensors if self.device.type == "cpu" else [t.to(self.device) for t in tensors]
+
+
+class TrainingLoop:
+    def __init__(
+        self, config: RuntimeConfig, trainer: Trainer, bridge: Bridge, device: torch.device, learner_id: str
+    ) -> None:
+        self.config = config
+        self.trainer = trainer
+        self.bridge = bridge
+        self.learner_id = learner_id
+        self.copier = HostCopier(device)
+        self.layouts: list[FragmentLayout] = []
+        self.anchors: dict[int, bytearray] = {}
+        self.versions: dict[int, int] = {}
+        self.c_steps: dict[int, int] = {}
+        self.c_tokens: dict[int, int] = {}
+        self.sent: dict[int, bytearray] = {}  # θ_p at its last push, for keep-local
+        self.awaiting: set[int] = set()  # pushed fragments whose merge has not come back (tau = 0)
+        self.step_index = 0
+        self.progress = Progress()
+        self.incarnation = ""
+        #: tau, from the syncer's plan: 0 makes the loop lock-step.
+        self.overlap = 2
+        self._last_save = time.monotonic()
+        self._last_progress = time.monotonic()
+
+    # ------------------------------------------------------------------ life cycle
+
+    def restore(self) -> bool:
+        """Model, inner optimizer, user state and step count from --state-dir, if saved there."""
+        if self.config.state_dir is None:
+            return False
+        state = load_local_state(self.config.state_dir)
+        if state is None:
+            return False
+        self.trainer.model.load_state_dict(state["model"])
+        if self.trainer.optimizer is not None and state.get("optimizer") is not None:
+            self.trainer.optimizer.load_state_dict(state["optimizer"])
+        if self.trainer.load_state_dict is not None and state.get("user") is not None:
+            self.trainer.load_state_dict(state["user"])
+        self.step_index = int(state.get("step", 0))
+        self.incarnation = str(state.get("incarnation", ""))
+        log.info("restored local state", step=self.step_index, state_dir=str(self.config.state_dir))
+        return True
+
+    def save(self) -> None:
+        if self.config.state_dir is None:
+            return
+        state: dict[str, Any] = {
+            "model": self.trainer.model.state_dict(),
+            "optimizer": self.trainer.optimizer.state_dict() if self.trainer.optimizer is not None else None,
+            "user": dict(self.trainer.state_dict()) if self.trainer.state_dict is not None else None,
+            "step": self.step_index,
+            "incarnation": self.incarnation,
+            "learner_id": self.learner_id,
+        }
+        path = save_local_state(self.config.state_dir, state)
+        self._last_save = time.monotonic()
+        log.info("saved local state", path=str(path), step=self.step_index)
+
+    def run(self, stop: threading.Event) -> None:
+        """Train until stop is set or --steps are done; saves the local state on the way out."""
+        self._wait_for_first_heal(stop)
+        try:
+            while not stop.is_set() and (self.config.steps is None or self.step_index < self.config.steps):
+                self.boundary()
+                self.one_step()
+                if self.overlap == 0:
+                    self._wait_for_merges(stop)
+                now = time.monotonic()
+                if self.config.state_dir is not None and now - self._last_save >= self.config.save_every_s:
+                    self.save()
+                if now - self._last_progress >= self.config.progress_every_s:
+                    self._report_progress(now)
+            self.boundary()  # adopt what arrived during the last step before saving
+        finally:
+            self.save()
+
+    # ------------------------------------------------------------------ the step boundary
+
+    def boundary(self) -> None:
+        inbox = self.bridge.take()
+        if inbox.fatal is not None:
+            raise LearnerStopped(inbox.fatal)
+        if inbox.plan is not None:
+            self.layouts = layouts_for(inbox.plan, self.trainer.model)
+            self.overlap = inbox.plan.overlap
+            if inbox.plan.incarnation != self.incarnation:
+                # Another syncer incarnation: what we pushed will not come back.
+                self.awaiting.clear()
+            self.incarnation = inbox.plan.incarnation
+        for adopt in inbox.updates:
+            self._apply(adopt)
+        for request in inbox.requests:
+            self._snapshot(request.fragment, request.round)
+
+    def one_step(self) -> None:
+        started = time.monotonic()
+        result = check_step_result(self.config.entry, self.step_index, self.trainer.step(self.step_index))
+        elapsed = time.monotonic() - started
+        self.step_index += 1
+        for fragment in self.c_steps:
+            self.c_steps[fragment] += 1
+            self.c_tokens[fragment] += result.tokens
+        self.progress.steps += 1
+        self.progress.tokens += result.tokens
+        self.progress.last_loss = result.loss
+        self.bridge.report_step(StepReportItem(self.step_index, result.tokens, elapsed))
+
+    def _apply(self, adopt: Adopt) -> None:
+        if adopt.fragment >= len(self.layouts):
+            return
+        layout = self.layouts[adopt.fragment]
+        new = self.copier.to_device(layout.views(adopt.buffer))
+        mode = "overwrite" if adopt.heal else self.config.apply
+        sent = None
+        if mode == "keep-local":
+            theta_sent = self.sent.get(adopt.fragment)
+            if theta_sent is None:
+                mode = "overwrite"  # nothing was pushed since the last adoption: no steps to keep
+            else:
+                sent = self.copier.to_device(layout.views(theta_sent))
+        apply_update_(list(layout.params), new, mode, alpha=self.config.mix_alpha, sent=sent)
+        self.anchors[adopt.fragment] = adopt.buffer
+        self.versions[adopt.fragment] = adopt.version
+        self.c_steps[adopt.fragment] = 0
+        self.c_tokens[adopt.fragment] = 0
+        self.sent.pop(adopt.fragment, None)
+        self.awaiting.discard(adopt.fragment)
+        self.progress.applied += 1
+
+    def _snapshot(self, fragment: int, round_index: int) -> None:
+        if fragment >= len(self.layouts) or fragment not in self.anchors:
+            return  # not healed yet: nothing meaningful to push
+        theta, ready = self.copier.copy_out(self.layouts[fragment])
+        if self.config.apply == "keep-local":
+            self.sent[fragment] = theta
+        self.bridge.send_snapshot(
+            Snapshot(
+                fragment,
+                round_index,
+                self.versions[fragment],
+                self.c_steps[fragment],
+                self.c_tokens[fragment],
+                theta,
+                self.anchors[fragment],
+                ready,
+            )
+        )
+        self.awaiting.add(fragment)
+        self.progress.snapshots += 1
+
+    # ------------------------------------------------------------------ waiting (only where asked)
+
+    def _wait_for_first_heal(self, stop: threading.Event) -> None:
+        deadline = time.monotonic() + self.config.join_timeout_s
+        while not stop.is_set() and time.monotonic() < deadline:
+            self.boundary()
+            if self.layouts and len(self.anchors) == len(self.layouts):
+                log.info("healed", fragments=len(self.layouts), versions=sum(self.versions.values()))
+                return
+            self.bridge.wait(min(1.0, max(0.0, deadline - time.monotonic())))
+        if not stop.is_set():
+            log.warning(
+                "no syncer yet: training on; the first join will heal", waited_s=self.config.join_timeout_s
+            )
+
+    def _wait_for_merges(self, stop: threading.Event) -> None:
+        """tau = 0: lock-step. Take what arrives until every pushed fragment has come back merged
+        (or join_timeout_s passes: a push the syncer refused never comes back)."""
+        deadline = time.monotonic() + self.config.join_timeout_s
+        while self.awaiting and not stop.is_set():
+            if time.monotonic() >= deadline:
+                log.warning(
+                    "merged fragments did not come back: stepping on", fragments=sorted(self.awaiting)
+                )
+                self.awaiting.clear()
+                return
+            self.bridge.wait(1.0)
+            self.boundary()
+
+    def _report_progress(self, now: float) -> None:
+        elapsed = max(now - self.progress.started, 1e-9)
+        log.info(
+            "progress",
+            step=self.step_index,
+            steps_per_s=round(self.progress.steps / elapsed, 2),
+            tokens_per_s=round(self.progress.tokens / elapsed, 1),
+            loss=None if self.progress.last_loss is None else round(self.progress.last_loss, 4),
+            applied=self.progress.applied,
+            pushed=self.progress.snapshots,
+            in_flight=len(self.awaiting),
+        )
+        self._last_progress = now

@@ -168,9 +168,14 @@ class TrainingLoop:
         try:
             while not stop.is_set() and (self.config.steps is None or self.step_index < self.config.steps):
                 self.boundary()
-                self.one_step()
                 if self.overlap == 0:
+                    # Lock-step waits here, right after the boundary that pushed, not after the
+                    # next step: a step run while the fragment is in flight trains on the pre-merge
+                    # values and is then overwritten by the merge (that would be tau = 1).
                     self._wait_for_merges(stop)
+                    if stop.is_set():
+                        break
+                self.one_step()
                 now = time.monotonic()
                 if self.config.state_dir is not None and now - self._last_save >= self.config.save_every_s:
                     self.save()
@@ -280,7 +285,8 @@ class TrainingLoop:
                 )
                 self.awaiting.clear()
                 return
-            self.bridge.wait(1.0)
+            # Bounded by the deadline too: a short join_timeout_s must not overshoot by a second.
+            self.bridge.wait(min(1.0, max(0.0, deadline - time.monotonic())))
             self.boundary()
 
     def _report_progress(self, now: float) -> None:

@@ -1,0 +1,555 @@
+"""The learner's training loop (dilocod.learner.runtime.TrainingLoop) with a real tiny torch model,
+its AdamW and a real Bridge, all in this process. The test plays the network: it posts plans,
+merged fragments, requests and fatals on the bridge and drains what the loop sends back. Expected
+parameters are computed here from the equations of DESIGN.md §3.3, and fragment bytes are packed
+here from the wire manifest (not with the loop's own layout code). Waiting is on observed thread
+states with deadlines, never on a timer."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from dilocod.contract import StepResult, Trainer
+from dilocod.learner.bridge import Adopt, Bridge
+from dilocod.learner.entry import EntryError
+from dilocod.learner.layout import PlanMismatch, model_entries
+from dilocod.learner.link import compute_push
+from dilocod.learner.runtime import LearnerStopped, RuntimeConfig, TrainingLoop
+from dilocod.learner.state import STATE_FILE, LocalStateError
+from dilocod.outer import module_sizes, plan_fragments
+from dilocod.wire.codecs import checksum
+from dilocod.wire.manifest import ModelEntry, TensorEntry, pack_manifest
+from dilocod.wire.messages import FragmentRequest, Plan
+
+pytestmark = pytest.mark.filterwarnings("ignore:Failed to initialize NumPy:UserWarning")
+
+ENTRY = "tests_rig:make_trainer"
+INCARNATION = "inc-1"
+DEADLINE_S = 10.0
+CPU = torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------- the user's side
+
+
+def make_model(seed: int) -> nn.Module:
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+
+
+class Job:
+    """A user's training: a tiny regression with AdamW, a data cursor, and a record of the
+    parameters each step started from."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.model = make_model(seed)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=0.05)
+        data = torch.Generator().manual_seed(123)
+        self.x = torch.randn(16, 4, generator=data)
+        self.y = torch.randn(16, 2, generator=data)
+        self.cursor = 0
+        self.seen: list[dict[str, Tensor]] = []  # parameters at the start of each step
+        self.started_at: list[float] = []
+        self.during_step: Callable[[int], None] | None = None
+        self.result: Callable[[int], object] = lambda i: StepResult(tokens=10 + i, loss=0.5)
+
+    def params(self) -> dict[str, Tensor]:
+        return {n: p.detach().clone() for n, p in self.model.named_parameters()}
+
+    def step(self, index: int) -> Any:
+        self.started_at.append(time.monotonic())
+        self.seen.append(self.params())
+        rows = slice(4 * (self.cursor % 4), 4 * (self.cursor % 4) + 4)
+        loss = nn.functional.mse_loss(self.model(self.x[rows]), self.y[rows])
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.optimizer.step()
+        self.cursor += 1
+        if self.during_step is not None:
+            self.during_step(index)
+        return self.result(index)
+
+    def state_dict(self) -> Mapping[str, Any]:
+        return {"cursor": self.cursor, "order": torch.arange(self.cursor)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.cursor = int(state["cursor"])
+        assert torch.equal(state["order"], torch.arange(self.cursor))
+
+    def trainer(self) -> Trainer:
+        return Trainer(self.model, self.optimizer, self.step, self.state_dict, self.load_state_dict)
+
+
+# ---------------------------------------------------------------------------- the network's side
+
+
+def pack(names: tuple[str, ...], values: Mapping[str, Tensor]) -> bytearray:
+    """Fragment bytes as the syncer lays them out: float32 at the manifest's offsets."""
+    manifest, raw = pack_manifest([(n, "float32", values[n].shape) for n in names])
+    buffer = bytearray(raw)
+    flat = torch.frombuffer(buffer, dtype=torch.float32)
+    for entry in manifest:
+        start = entry.offset // 4
+        flat[start : start + values[entry.name].numel()] = values[entry.name].reshape(-1)
+    return buffer
+
+
+def unpack(names: tuple[str, ...], buffer: bytearray, shapes: Mapping[str, torch.Size]) -> dict[str, Tensor]:
+    manifest, raw = pack_manifest([(n, "float32", shapes[n]) for n in names])
+    assert len(buffer) == raw
+    flat = torch.frombuffer(bytearray(buffer), dtype=torch.float32)
+    return {e.name: flat[e.offset // 4 : e.offset // 4 + e.nbytes // 4].view(e.shape) for e in manifest}
+
+
+@dataclass
+class Rig:
+    job: Job
+    bridge: Bridge
+    loop: TrainingLoop
+    plan: Plan
+    heal_buffers: dict[int, bytearray] = field(default_factory=dict)
+
+    @property
+    def fragments(self) -> tuple[tuple[str, ...], ...]:
+        return self.plan.fragments
+
+    def manifest(self, fragment: int) -> tuple[TensorEntry, ...]:
+        shapes = {n: p.shape for n, p in self.job.model.named_parameters()}
+        return tuple(pack_manifest([(n, "float32", shapes[n]) for n in self.fragments[fragment]])[0])
+
+    def heal(self, versions: tuple[int, ...] = (3, 5), seed: int = 1) -> dict[str, Tensor]:
+        """Post the plan and every fragment's global value as a heal; returns those values."""
+        generator = torch.Generator().manual_seed(seed)
+        values = {n: torch.randn(p.shape, generator=generator) for n, p in self.job.model.named_parameters()}
+        self.bridge.post_plan(self.plan)
+        for fragment, names in enumerate(self.fragments):
+            buffer = pack(names, values)
+            self.heal_buffers[fragment] = buffer
+            self.bridge.post_update(Adopt(fragment, versions[fragment], buffer, True, INCARNATION))
+        return values
+
+    def update(self, fragment: int, version: int, values: Mapping[str, Tensor]) -> bytearray:
+        buffer = pack(self.fragments[fragment], values)
+        self.bridge.post_update(Adopt(fragment, version, buffer, False, INCARNATION))
+        return buffer
+
+    def of(self, fragment: int, values: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        return {n: values[n] for n in self.fragments[fragment]}
+
+
+def rig(
+    *,
+    apply: str = "overwrite",
+    mix_alpha: float = 0.5,
+    overlap: int = 2,
+    steps: int | None = None,
+    state_dir: Path | None = None,
+    join_timeout_s: float = DEADLINE_S,
+    seed: int = 0,
+) -> Rig:
+    job = Job(seed)
+    config = RuntimeConfig(
+        entry=ENTRY,
+        apply=apply,
+        mix_alpha=mix_alpha,
+        steps=steps,
+        state_dir=state_dir,
+        join_timeout_s=join_timeout_s,
+    )
+    bridge = Bridge()
+    loop = TrainingLoop(config, job.trainer(), bridge, CPU, "m0")
+    fragment_plan = plan_fragments(module_sizes(job.model), 2)
+    plan = Plan(
+        INCARNATION,
+        model_entries(job.model),
+        tuple(tuple(f.names) for f in fragment_plan.fragments),
+        (3, 5),
+        sync_every=2,
+        overlap=overlap,
+        quorum=1,
+    )
+    return Rig(job, bridge, loop, plan)
+
+
+def waiting_in(thread: threading.Thread, caller: Callable[..., Any]) -> bool:
+    """Whether `thread` is blocked in Bridge.wait (inside threading.Condition.wait), called from
+    `caller`. From then on, a post that takes the bridge's lock is bound to wake it."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    chain = []
+    while frame is not None:
+        chain.append(frame.f_code)
+        frame = frame.f_back
+    wanted = [threading.Condition.wait.__code__, Bridge.wait.__code__, caller.__code__]
+    return any(chain[i : i + 3] == wanted for i in range(len(chain)))
+
+
+def until(predicate: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.001)
+
+
+def network_thread(work: Callable[[], None]) -> tuple[threading.Thread, list[BaseException]]:
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as exc:
+            failures.append(exc)
+
+    thread = threading.Thread(target=run, name="test-network", daemon=True)
+    thread.start()
+    return thread, failures
+
+
+def assert_params(job: Job, want: Mapping[str, Tensor]) -> None:
+    got = job.params()
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+
+
+# ---------------------------------------------------------------------------- healing
+
+
+def test_heal_adopts_every_fragment_bit_exactly_whatever_the_mode() -> None:
+    r = rig(apply="mix", mix_alpha=0.5, overlap=1)
+    assert len(r.fragments) == 2 and len(r.fragments[1]) > 1  # padding between tensors on the wire
+    values = r.heal(versions=(3, 5))
+    r.loop.boundary()
+    # Mutation caught: `mode = self.config.apply` (a heal mixed instead of overwriting).
+    assert_params(r.job, values)
+    assert r.loop.versions == {0: 3, 1: 5}
+    assert r.loop.anchors[0] is r.heal_buffers[0] and r.loop.anchors[1] is r.heal_buffers[1]
+    assert r.loop.c_steps == {0: 0, 1: 0} and r.loop.c_tokens == {0: 0, 1: 0}
+    assert r.loop.overlap == 1 and r.loop.incarnation == INCARNATION
+
+
+def test_first_heal_is_awaited_before_the_first_step() -> None:
+    r = rig(steps=1)
+    main = threading.current_thread()
+    healed: dict[str, dict[str, Tensor]] = {}
+
+    def network() -> None:
+        until(lambda: waiting_in(main, TrainingLoop._wait_for_first_heal), "the loop to wait for a heal")
+        healed["values"] = r.heal()
+
+    thread, failures = network_thread(network)
+    r.loop.run(threading.Event())
+    thread.join(DEADLINE_S)
+    assert not failures, failures
+    # Mutation caught: run() skipping _wait_for_first_heal (step 0 trains the unhealed init).
+    for name, value in healed["values"].items():
+        assert torch.equal(r.job.seen[0][name], value), name
+
+
+def test_a_model_unlike_the_syncers_is_named() -> None:
+    r = rig()
+    entries = list(r.plan.model)
+    first = entries[0]
+    entries[0] = ModelEntry(first.name, first.dtype, (*first.shape[:-1], first.shape[-1] + 1))
+    bad = Plan(INCARNATION, tuple(entries), r.plan.fragments, (0, 0), 2, 2, 1)
+    r.bridge.post_plan(bad)
+    with pytest.raises(PlanMismatch, match=repr(first.name)):
+        r.loop.boundary()
+
+
+# ---------------------------------------------------------------------------- snapshots and pushes
+
+
+def test_request_snapshots_the_fragment_at_the_step_boundary() -> None:
+    r = rig()
+    values = r.heal(versions=(3, 5))
+    r.loop.boundary()
+    for _ in range(3):
+        r.loop.boundary()
+        r.loop.one_step()
+    now = r.job.params()
+    r.bridge.post_request(FragmentRequest(1, 7, 5))
+    r.loop.boundary()
+    snapshots, steps = r.bridge.drain()
+    assert [(s.step, s.tokens) for s in steps] == [(1, 10), (2, 11), (3, 12)]
+    assert len(snapshots) == 1
+    snap = snapshots[0]
+    names = r.fragments[1]
+    assert (snap.fragment, snap.round, snap.base_version) == (1, 7, 5)
+    # Mutation caught: c_steps/c_tokens not counted per step (0, 0) or counted from the start.
+    assert (snap.c_steps, snap.c_tokens) == (3, 10 + 11 + 12)
+    assert bytes(snap.theta) == bytes(pack(names, now))  # wire layout, padding zero, bit-exact
+    assert snap.anchor is r.heal_buffers[1]
+    assert snap.ready is None  # CPU: the copy is complete
+    assert r.loop.awaiting == {1}
+
+    # The snapshot is a copy: later steps do not move it.
+    r.loop.one_step()
+    assert bytes(snap.theta) == bytes(pack(names, now))
+
+    # The push the network computes from it: δ = anchor - θ, and a checksum per chunk.
+    chunk_bytes = 64
+    delta, checksums = compute_push(snap, r.manifest(1), chunk_bytes)
+    want = pack(names, {n: values[n] - now[n] for n in names})
+    assert bytes(delta) == bytes(want)
+    assert any(want) and len(want) > 2 * chunk_bytes
+    assert checksums == [checksum(bytes(want[i : i + chunk_bytes])) for i in range(0, len(want), chunk_bytes)]
+
+
+def test_counters_restart_at_adoption_per_fragment() -> None:
+    r = rig()
+    r.heal(versions=(3, 5))
+    r.loop.boundary()
+    for _ in range(2):
+        r.loop.one_step()  # tokens 10, 11
+    merged = r.update(1, 6, {n: torch.full(p.shape, 0.25) for n, p in r.job.model.named_parameters()})
+    r.loop.boundary()
+    assert r.loop.c_steps == {0: 2, 1: 0} and r.loop.versions[1] == 6
+    for _ in range(3):
+        r.loop.one_step()  # tokens 12, 13, 14
+    r.bridge.post_request(FragmentRequest(0, 8, 3))
+    r.bridge.post_request(FragmentRequest(1, 9, 6))
+    r.loop.boundary()
+    snapshots, _ = r.bridge.drain()
+    got = {s.fragment: (s.base_version, s.c_steps, s.c_tokens) for s in snapshots}
+    # Mutation caught: not resetting c_steps/c_tokens in _apply (fragment 1 would count 5 / 60).
+    assert got == {0: (3, 5, 10 + 11 + 12 + 13 + 14), 1: (6, 3, 12 + 13 + 14)}
+    assert snapshots[1].anchor is merged and snapshots[0].anchor is r.heal_buffers[0]
+
+
+def test_request_before_healing_is_not_answered() -> None:
+    r = rig()
+    r.bridge.post_plan(r.plan)
+    r.bridge.post_request(FragmentRequest(0, 1, 0))
+    r.loop.boundary()
+    assert r.bridge.drain()[0] == [] and r.loop.awaiting == set()
+
+
+# ---------------------------------------------------------------------------- apply modes
+
+
+def test_overwrite_adopts_the_merged_fragment_and_leaves_the_others() -> None:
+    r = rig(apply="overwrite")
+    r.heal()
+    r.loop.boundary()
+    r.loop.one_step()
+    r.loop.one_step()
+    before = r.job.params()
+    new = {n: torch.randn(p.shape) for n, p in r.job.model.named_parameters()}
+    buffer = r.update(0, 4, new)
+    r.loop.boundary()
+    assert_params(r.job, r.of(0, new))
+    assert_params(r.job, r.of(1, before))
+    assert r.loop.anchors[0] is buffer and r.loop.versions == {0: 4, 1: 5}
+
+
+def test_mix_blends_local_and_merged() -> None:
+    alpha = 0.25
+    r = rig(apply="mix", mix_alpha=alpha)
+    r.heal()
+    r.loop.boundary()
+    r.loop.one_step()
+    r.loop.one_step()
+    local = r.job.params()
+    new = {n: torch.randn(p.shape) for n, p in r.job.model.named_parameters()}
+    r.update(1, 6, new)
+    r.loop.boundary()
+    got = r.job.params()
+    for name in r.fragments[1]:
+        want = alpha * local[name].double() + (1 - alpha) * new[name].double()
+        # Mutation caught: alpha and 1 - alpha swapped (mix_alpha not passed, or inverted).
+        torch.testing.assert_close(got[name].double(), want, rtol=1e-6, atol=1e-7)
+        assert not torch.equal(got[name], new[name])
+    assert_params(r.job, r.of(0, local))
+    assert r.loop.anchors[1] is not None and r.loop.versions[1] == 6
+
+
+def test_keep_local_keeps_the_steps_taken_while_the_fragment_was_away() -> None:
+    r = rig(apply="keep-local")
+    r.heal()
+    r.loop.boundary()
+    r.loop.one_step()
+    r.bridge.post_request(FragmentRequest(0, 2, 3))
+    r.loop.boundary()
+    sent = r.job.params()
+    (snap,), _ = r.bridge.drain()
+    assert bytes(snap.theta) == bytes(pack(r.fragments[0], sent))
+    r.loop.one_step()
+    r.loop.one_step()
+    now = r.job.params()
+    new = {n: torch.randn(p.shape) for n, p in r.job.model.named_parameters()}
+    r.update(0, 4, new)
+    r.loop.boundary()
+    got = r.job.params()
+    for name in r.fragments[0]:
+        want = new[name] + (now[name] - sent[name])
+        assert not torch.equal(now[name], sent[name])  # steps were taken in flight
+        # Mutation caught: not recording θ_sent at the snapshot (falls back to overwrite).
+        torch.testing.assert_close(got[name], want, rtol=0, atol=1e-6)
+    assert r.loop.sent == {}
+    assert r.loop.awaiting == set()
+
+
+def test_keep_local_without_a_push_overwrites() -> None:
+    r = rig(apply="keep-local")
+    r.heal()
+    r.loop.boundary()
+    r.loop.one_step()
+    new = {n: torch.randn(p.shape) for n, p in r.job.model.named_parameters()}
+    r.update(1, 6, new)
+    r.loop.boundary()
+    assert_params(r.job, r.of(1, new))
+
+
+# ---------------------------------------------------------------------------- stopping and user errors
+
+
+def test_fatal_from_the_network_stops_at_the_next_boundary(tmp_path: Path) -> None:
+    r = rig(steps=10, state_dir=tmp_path)
+    r.heal()
+
+    def during_step(index: int) -> None:
+        if index == 2:
+            r.bridge.post_fatal("the syncer's model is not ours")
+
+    r.job.during_step = during_step
+    with pytest.raises(LearnerStopped, match="the syncer's model is not ours"):
+        r.loop.run(threading.Event())
+    assert len(r.job.seen) == 3 and r.loop.step_index == 3
+    assert (tmp_path / STATE_FILE).exists()  # saved on the way out
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        pytest.param({"tokens": 5}, "returned a dict", id="not-a-StepResult"),
+        pytest.param(None, "returned a NoneType", id="none"),
+        pytest.param(StepResult(tokens=-1), "tokens=-1", id="negative-tokens"),
+        pytest.param(StepResult(tokens=2.5), "tokens=2.5", id="float-tokens"),  # type: ignore[arg-type]
+        pytest.param(StepResult(tokens=3, loss="low"), "loss='low'", id="string-loss"),  # type: ignore[arg-type]
+    ],
+)
+def test_a_bad_step_result_names_the_entry_and_the_step(bad: object, match: str) -> None:
+    r = rig(steps=5)
+    r.heal()
+    r.job.result = lambda i: bad if i == 2 else StepResult(tokens=10 + i, loss=0.1)
+    # Mutation caught: one_step using the result unchecked (AttributeError or no error at all).
+    with pytest.raises(EntryError, match=match) as caught:
+        r.loop.run(threading.Event())
+    assert "step(2)" in str(caught.value) and ENTRY in str(caught.value)
+    assert r.loop.step_index == 2
+
+
+# ---------------------------------------------------------------------------- lock-step (tau = 0)
+
+
+def test_lockstep_waits_for_the_merged_fragment_before_the_next_step() -> None:
+    r = rig(overlap=0, steps=2)
+    r.heal(versions=(3, 5))
+    r.bridge.post_request(FragmentRequest(0, 1, 3))
+    main = threading.current_thread()
+    seen: dict[str, Any] = {}
+    merged = {n: torch.randn(p.shape) for n, p in r.job.model.named_parameters()}
+
+    def network() -> None:
+        until(lambda: waiting_in(main, TrainingLoop._wait_for_merges), "the loop to wait for its merge")
+        seen["steps_while_waiting"] = len(r.job.seen)
+        seen["snapshots"], _ = r.bridge.drain()
+        r.update(0, 4, merged)
+
+    thread, failures = network_thread(network)
+    r.loop.run(threading.Event())
+    thread.join(DEADLINE_S)
+    assert not failures, failures
+    assert [s.fragment for s in seen["snapshots"]] == [0]
+    # Mutation caught (and a bug this test found): waiting after the step that follows the push
+    # instead of before it, so that step ran on the pre-merge fragment and was then overwritten.
+    assert seen["steps_while_waiting"] == 0
+    for name in r.fragments[0]:
+        assert torch.equal(r.job.seen[0][name], merged[name]), name
+    assert r.loop.awaiting == set() and r.loop.versions[0] == 4 and len(r.job.seen) == 2
+
+
+def test_lockstep_gives_up_after_join_timeout() -> None:
+    timeout_s = 0.3
+    r = rig(overlap=0, steps=1, join_timeout_s=timeout_s)
+    r.heal()
+    r.bridge.post_request(FragmentRequest(1, 1, 5))
+    started = time.monotonic()
+    r.loop.run(threading.Event())  # no merge ever comes back
+    waited = r.job.started_at[0] - started
+    assert r.loop.awaiting == set()
+    assert waited >= timeout_s
+    # Mutation caught: waiting in whole seconds past the deadline (bridge.wait(1.0) unbounded).
+    assert waited < timeout_s + 0.6
+    assert len(r.job.seen) == 1
+
+
+def test_overlap_never_waits() -> None:
+    r = rig(overlap=2, steps=3, join_timeout_s=DEADLINE_S)
+    r.heal()
+    r.bridge.post_request(FragmentRequest(1, 1, 5))
+    started = time.monotonic()
+    r.loop.run(threading.Event())  # the merge never comes back: training goes on regardless
+    assert time.monotonic() - started < DEADLINE_S / 2
+    assert len(r.job.seen) == 3 and r.loop.awaiting == {1}
+
+
+# ---------------------------------------------------------------------------- local state
+
+
+def test_local_state_round_trips(tmp_path: Path) -> None:
+    first = rig(steps=3, state_dir=tmp_path, seed=0)
+    first.heal()
+    first.loop.run(threading.Event())  # saves on the way out
+    assert (tmp_path / STATE_FILE).exists()
+
+    second = rig(state_dir=tmp_path, seed=7)
+    assert not torch.equal(second.job.model[0].weight, first.job.model[0].weight)
+    assert second.loop.restore()
+    assert_params(second.job, first.job.params())
+    assert second.loop.step_index == 3 and second.job.cursor == 3
+    assert second.loop.incarnation == INCARNATION
+    want, got = first.job.optimizer.state_dict(), second.job.optimizer.state_dict()
+    assert want["param_groups"] == got["param_groups"]
+    # Mutation caught: restore() skipping the optimizer (its state would be empty).
+    assert want["state"].keys() == got["state"].keys() and want["state"]
+    for key, state in want["state"].items():
+        for name, value in state.items():
+            assert torch.equal(got["state"][key][name], value), (key, name)
+    # Both continue identically: same parameters, moments, step counts and data cursor.
+    first.job.step(3)
+    second.job.step(3)
+    assert_params(second.job, first.job.params())
+
+
+def test_no_state_dir_or_no_file_restores_nothing(tmp_path: Path) -> None:
+    assert not rig().loop.restore()
+    assert not rig(state_dir=tmp_path / "empty").loop.restore()
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "foreign"])
+def test_a_corrupt_state_file_is_a_clear_error(tmp_path: Path, damage: str) -> None:
+    path = tmp_path / STATE_FILE
+    if damage == "garbage":
+        path.write_bytes(b"not a torch file at all")
+    else:
+        saver = rig(state_dir=tmp_path)
+        saver.loop.save()
+        if damage == "truncated":
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        else:
+            torch.save({"model": {}}, path)
+    with pytest.raises(LocalStateError) as caught:
+        rig(state_dir=tmp_path).loop.restore()
+    assert str(path) in str(caught.value)

@@ -271,7 +271,7 @@ class TrainingLoop:
             self.bridge.wait(min(1.0, max(0.0, deadline - time.monotonic())))
         if not stop.is_set():
             log.warning(
-                "no syncer yet: training on; the first join will heal", waited_s=self.config.join_timeout_s
+                "no syncer yet", waited_s=self.config.join_timeout_s, then="training on; the first join heals"
             )
 
     def _wait_for_merges(self, stop: threading.Event) -> None:

@@ -1,4 +1,5 @@
-"""A `dilocod syncer` child process for the tests, and the small model entry it builds from.
+"""`dilocod syncer` and `dilocod learner` child processes for the tests, and the small model
+entries they build from.
 
 The entry module is written into the test's own directory and put on the child's PYTHONPATH, the
 way a user's package would be installed. The syncer's ready line (--ready-json) is waited for with
@@ -65,7 +66,7 @@ def entry_model(directory: Path) -> tuple[tuple[ModelEntry, ...], dict[str, Any]
 
 
 @dataclass
-class SyncerProcess:
+class DaemonProcess:
     process: subprocess.Popen[bytes]
     info: dict[str, Any]
     stderr_path: Path
@@ -99,6 +100,10 @@ class SyncerProcess:
                 if remaining <= 0 or not self.alive():
                     raise TimeoutError(f"no {event!r} log record within {timeout_s} s:\n{self.stderr()}")
                 self.changed.wait(remaining)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
 
     @property
     def port(self) -> int:
@@ -139,9 +144,11 @@ def _record(line: str) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
-def start_syncer(work: Path, entry_dir: Path, state_dir: Path, *args: str) -> SyncerProcess:
+def start_syncer(
+    work: Path, entry_dir: Path, state_dir: Path, *args: str, entry: str = ENTRY
+) -> DaemonProcess:
     stderr_path = work / f"syncer-{len(list(work.glob('syncer-*.stderr')))}.stderr"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(entry_dir), os.environ.get("PYTHONPATH", "")])}
+    env = _child_env(entry_dir)
     command = [
         sys.executable,
         "-m",
@@ -151,7 +158,7 @@ def start_syncer(work: Path, entry_dir: Path, state_dir: Path, *args: str) -> Sy
         "127.0.0.1:0",
         "--insecure",
         "--entry",
-        ENTRY,
+        entry,
         "--state-dir",
         str(state_dir),
         "--ready-json",
@@ -160,7 +167,7 @@ def start_syncer(work: Path, entry_dir: Path, state_dir: Path, *args: str) -> Sy
     stderr_path.touch()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     assert process.stdout is not None and process.stderr is not None
-    syncer = SyncerProcess(process, {}, stderr_path)
+    syncer = DaemonProcess(process, {}, stderr_path)
     threading.Thread(target=syncer.follow, args=(process.stderr,), daemon=True).start()
     with selectors.DefaultSelector() as selector:
         selector.register(process.stdout, selectors.EVENT_READ)
@@ -173,3 +180,86 @@ def start_syncer(work: Path, entry_dir: Path, state_dir: Path, *args: str) -> Sy
         raise RuntimeError(f"syncer exited with {process.returncode}: {syncer.stderr()}")
     syncer.info = json.loads(line)
     return syncer
+
+
+LEARNER_ENTRY_SOURCE = """
+import torch
+import dilocod
+
+TEACHER_SEED = 0
+
+
+def batch(generator, size=32):
+    teacher = torch.randn(16, 1, generator=torch.Generator().manual_seed(TEACHER_SEED))
+    x = torch.randn(size, 16, generator=generator)
+    return x, torch.tanh(x @ teacher)
+
+
+def make_model():
+    torch.manual_seed(1234)  # every process builds the same initial model
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+
+
+def eval_loss(model):
+    x, y = batch(torch.Generator().manual_seed(999), size=2048)
+    with torch.no_grad():
+        return float(torch.nn.functional.mse_loss(model(x), y))
+
+
+def make_trainer(ctx):
+    model = make_model()
+    if ctx.role == "syncer":
+        return dilocod.Trainer(model=model, optimizer=None, step=lambda i: dilocod.StepResult(0))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(ctx.seed)
+    cursor = {"batches": 0}
+
+    def step(index):
+        x, y = batch(generator)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        cursor["batches"] += 1
+        return dilocod.StepResult(tokens=32, loss=float(loss))
+
+    return dilocod.Trainer(
+        model=model,
+        optimizer=optimizer,
+        step=step,
+        state_dict=lambda: dict(cursor),
+        load_state_dict=lambda state: cursor.update(state),
+    )
+
+
+def raising(ctx):
+    raise FileNotFoundError("training data not found at /data/shards")
+"""
+LEARNER_ENTRY = "learner_test_entry:make_trainer"
+
+
+def write_learner_entry(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "learner_test_entry.py").write_text(LEARNER_ENTRY_SOURCE)
+    return directory
+
+
+def _child_env(entry_dir: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(entry_dir), os.environ.get("PYTHONPATH", "")])}
+
+
+def start_learner(work: Path, entry_dir: Path, port: int, learner_id: str, *args: str) -> DaemonProcess:
+    """Start `dilocod learner` (no ready line: the tests wait on its log records)."""
+    stderr_path = (
+        work / f"learner-{learner_id}-{len(list(work.glob(f'learner-{learner_id}-*.stderr')))}.stderr"
+    )
+    stderr_path.touch()
+    command = [sys.executable, "-m", "dilocod", "learner", "--syncer", f"127.0.0.1:{port}", "--insecure"]
+    command += ["--entry", LEARNER_ENTRY, "--id", learner_id, "--device", "cpu", *args]
+    process = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_child_env(entry_dir)
+    )
+    assert process.stderr is not None
+    learner = DaemonProcess(process, {"id": learner_id}, stderr_path)
+    threading.Thread(target=learner.follow, args=(process.stderr,), daemon=True).start()
+    return learner

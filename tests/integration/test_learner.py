@@ -1,0 +1,176 @@
+"""`dilocod learner` as real processes training a real torch model against a real syncer: the global
+model improves, a bad entry fails before any connection, a learner killed with -9 restarts from its
+local state and heals, and a learner started before its syncer trains on and joins when it comes.
+Every wait is on a log record or a process exit, with a deadline."""
+
+from __future__ import annotations
+
+import importlib
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from .syncer_process import LEARNER_ENTRY, start_learner, start_syncer, write_learner_entry
+
+DEADLINE_S = 180.0
+SYNCER_ARGS = ("--fragments", "3", "--sync-every", "6", "--quorum", "1")
+
+
+@pytest.fixture
+def entry_dir(tmp_path: Path) -> Path:
+    return write_learner_entry(tmp_path / "entry")
+
+
+def _entry(entry_dir: Path):  # the test's own entry module
+    sys.path.insert(0, str(entry_dir))
+    try:
+        return importlib.import_module("learner_test_entry")
+    finally:
+        sys.path.remove(str(entry_dir))
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_two_learners_train_the_global_model(tmp_path: Path, entry_dir: Path) -> None:
+    syncer = start_syncer(tmp_path, entry_dir, tmp_path / "syncer", *SYNCER_ARGS, entry=LEARNER_ENTRY)
+    learners = [
+        start_learner(
+            tmp_path, entry_dir, syncer.port, "m0", "--steps", "300", "--state-dir", str(tmp_path / "m0")
+        ),
+        start_learner(
+            tmp_path,
+            entry_dir,
+            syncer.port,
+            "m1",
+            "--steps",
+            "200",
+            "--seed",
+            "1",
+            "--state-dir",
+            str(tmp_path / "m1"),
+        ),
+    ]
+    try:
+        for learner in learners:
+            assert learner.process.wait(timeout=DEADLINE_S) == 0, learner.stderr()
+    finally:
+        for learner in learners:
+            if learner.alive():
+                learner.kill()
+        assert syncer.stop() == 0, syncer.stderr()
+    merged = syncer.log_events("round merged")
+    assert len(merged) >= 10
+    assert {name for record in merged for name in record["contributors"]} == {"m0", "m1"}
+    for learner in learners:
+        (healed,) = learner.log_events("healed")
+        assert healed["fragments"] == 3
+        assert (tmp_path / learner.info["id"] / "learner-state.pt").exists()
+    # The syncer's global model, exported, predicts far better than the initial one.
+    out = tmp_path / "global.safetensors"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dilocod",
+            "export",
+            "--state-dir",
+            str(tmp_path / "syncer"),
+            "--out",
+            str(out),
+        ],
+        check=True,
+        timeout=60,
+    )
+    entry = _entry(entry_dir)
+    model = entry.make_model()
+    initial = entry.eval_loss(model)
+    model.load_state_dict({k: v.to(torch.float32) for k, v in load_file(str(out)).items()})
+    trained = entry.eval_loss(model)
+    assert trained < 0.5 * initial, (initial, trained)
+
+
+def test_a_bad_entry_fails_before_connecting(tmp_path: Path, entry_dir: Path) -> None:
+    """Nothing listens on the port: the error must be about the entry, within one quick exit."""
+    port = _free_port()
+    missing = start_learner(tmp_path, entry_dir, port, "x", "--entry", "no_such_module:make")
+    raising = start_learner(tmp_path, entry_dir, port, "y", "--entry", "learner_test_entry:raising")
+    assert missing.process.wait(timeout=DEADLINE_S) == 78
+    assert "no module named 'no_such_module'" in missing.stderr()
+    assert raising.process.wait(timeout=DEADLINE_S) == 78
+    err = raising.stderr()
+    assert "the factory raised FileNotFoundError: training data not found" in err
+    assert "Traceback" in err and "learner_test_entry.py" in err  # the user's own traceback follows
+    for learner in (missing, raising):
+        assert "syncer unreachable" not in learner.stderr()
+
+
+def test_a_killed_learner_restarts_from_its_state_and_heals(tmp_path: Path, entry_dir: Path) -> None:
+    syncer = start_syncer(tmp_path, entry_dir, tmp_path / "syncer", *SYNCER_ARGS, entry=LEARNER_ENTRY)
+    state = tmp_path / "victim"
+    survivor = start_learner(tmp_path, entry_dir, syncer.port, "survivor", "--seed", "1")
+    victim = start_learner(
+        tmp_path, entry_dir, syncer.port, "victim", "--state-dir", str(state), "--save-every-s", "0.2"
+    )
+    try:
+        victim.wait_for("saved local state", lambda r: r["step"] > 20, DEADLINE_S)
+        syncer.wait_for("round merged", lambda r: "victim" in r["contributors"], DEADLINE_S)
+        victim.kill()
+        killed_at = syncer.log_events("round merged")[-1]["round"]
+        # The survivor never stops: rounds keep merging without the victim.
+        syncer.wait_for("round merged", lambda r: r["round"] > killed_at + 10, DEADLINE_S)
+        restarted = start_learner(
+            tmp_path, entry_dir, syncer.port, "victim", "--state-dir", str(state), "--save-every-s", "0.2"
+        )
+        restored = restarted.wait_for("restored local state", lambda r: True, DEADLINE_S)
+        assert restored["step"] > 20
+        restarted.wait_for("healed", lambda r: r["fragments"] == 3, DEADLINE_S)
+        syncer.wait_for(
+            "round merged",
+            lambda r: r["round"] > killed_at + 10 and "victim" in r["contributors"],
+            DEADLINE_S,
+        )
+        for learner in (survivor, restarted):
+            learner.process.terminate()
+            assert learner.process.wait(timeout=DEADLINE_S) == 0, learner.stderr()
+        assert restarted.log_events("saved local state")[-1]["step"] > restored["step"]
+    finally:
+        for learner in (survivor, victim):
+            if learner.alive():
+                learner.kill()
+        assert syncer.stop() == 0, syncer.stderr()
+
+
+def test_a_learner_started_before_its_syncer_trains_on_and_joins(tmp_path: Path, entry_dir: Path) -> None:
+    port = _free_port()
+    early = start_learner(tmp_path, entry_dir, port, "early", "--join-timeout-s", "1")
+    try:
+        early.wait_for("no syncer yet", lambda r: True, DEADLINE_S)
+        early.wait_for("syncer unreachable", lambda r: r["attempt"] >= 1, DEADLINE_S)
+        syncer = start_syncer(
+            tmp_path,
+            entry_dir,
+            tmp_path / "syncer",
+            *SYNCER_ARGS,
+            "--listen",
+            f"127.0.0.1:{port}",
+            entry=LEARNER_ENTRY,
+        )
+        try:
+            early.wait_for("joined", lambda r: True, DEADLINE_S)
+            syncer.wait_for("round merged", lambda r: r["contributors"] == ["early"], DEADLINE_S)
+        finally:
+            early.process.terminate()
+            assert early.process.wait(timeout=DEADLINE_S) == 0, early.stderr()
+            assert syncer.stop() == 0, syncer.stderr()
+    finally:
+        if early.alive():
+            early.kill()

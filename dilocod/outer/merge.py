@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dilocod.outer._blocks import BLOCK_NUMEL, blocks, check_block_numel
+from dilocod.outer._blocks import blocks, resolve_block_numel
 
 #: u averages unit vectors, so 0 <= ‖u‖ <= 1; below this the direction is noise and the merge
 #: falls back to the weighted mean. (M nearly orthogonal contributions give ‖u‖ near 1/√M.)
@@ -148,25 +148,35 @@ def plan_tensor(
     return _combination("rda", active, coefs, mean_norm=mean_norm)
 
 
+def _combine_block(
+    ratios: Sequence[float], want_norm: bool, o: Tensor, src: Sequence[Tensor]
+) -> Tensor | None:
+    if len(src) == 1:
+        if o.data_ptr() != src[0].data_ptr():
+            o.copy_(src[0])
+    elif o.data_ptr() == src[0].data_ptr():  # out is the pivot itself (outer_step_ consume_deltas)
+        o.add_(src[1], alpha=ratios[1])
+    else:
+        torch.add(src[0], src[1], alpha=ratios[1], out=o)
+    for d, ratio in zip(src[2:], ratios[2:], strict=True):
+        o.add_(d, alpha=ratio)
+    if not want_norm:
+        return None
+    flat = o.view(-1)
+    return torch.dot(flat, flat)
+
+
 def combine_(
     out: Tensor, deltas: Contributions, merge: TensorMerge, block_numel: int, want_norm: bool
 ) -> float:
     """out = Σ ratios[i] · δ[terms[i]], block by block; returns ‖out‖² (float64) when asked, else 0.
 
-    The pivot's ratio is 1, so the first op adds the second term onto it without a multiply.
+    The pivot's ratio is 1, so the first op adds the second term onto it without a multiply (the
+    same op, and the same bits, whether out is a separate buffer or the pivot's own).
     """
     sources = [deltas[m] for m in merge.terms]
-    parts: list[Tensor] = []
-    for o, *src in blocks([out, *sources], block_numel):
-        if len(src) == 1:
-            o.copy_(src[0])
-        else:
-            torch.add(src[0], src[1], alpha=merge.ratios[1], out=o)
-            for d, ratio in zip(src[2:], merge.ratios[2:], strict=True):
-                o.add_(d, alpha=ratio)
-        if want_norm:
-            flat = o.view(-1)
-            parts.append(torch.dot(flat, flat))
+    pairs = blocks([out, *sources], block_numel)
+    parts = [_combine_block(merge.ratios, want_norm, o, src) for o, *src in pairs]
     if not want_norm:
         return 0.0
     return float(torch.stack(parts).to(torch.float64).sum())
@@ -197,9 +207,9 @@ def _merge(
     is_embedding: EmbeddingRule,
     rda: bool,
     out: Sequence[Tensor] | None,
-    block_numel: int,
+    block_numel: int | None,
 ) -> list[Tensor]:
-    check_block_numel(block_numel)
+    block_numel = resolve_block_numel(block_numel)
     active, count = check_contributions(deltas_per_learner, weights)
     reference = deltas_per_learner[active[0]]
     if out is None:
@@ -229,7 +239,7 @@ def rda_merge(
     is_embedding: EmbeddingRule = None,
     *,
     out: Sequence[Tensor] | None = None,
-    block_numel: int = BLOCK_NUMEL,
+    block_numel: int | None = None,
 ) -> list[Tensor]:
     """Weighted radial-directional average per tensor (weighted mean for embeddings and fallbacks).
 
@@ -245,8 +255,7 @@ def mean_merge(
     weights: Sequence[float],
     *,
     out: Sequence[Tensor] | None = None,
-    block_numel: int = BLOCK_NUMEL,
+    block_numel: int | None = None,
 ) -> list[Tensor]:
     """Weighted mean Σ w_m δ_m / Σ w_m per tensor (`--merge mean`)."""
     return _merge(deltas_per_learner, weights, None, False, out, block_numel)
-

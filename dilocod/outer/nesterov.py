@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from dilocod.outer._blocks import BLOCK_NUMEL, Scratch, block_capacity, blocks, check_block_numel
+from dilocod.outer._blocks import Scratch, block_capacity, blocks, resolve_block_numel
 
 
 def check_step(lr: float, mu: float) -> None:
@@ -58,11 +58,11 @@ def nesterov_step_(
     lr: float,
     mu: float,
     *,
-    block_numel: int = BLOCK_NUMEL,
+    block_numel: int | None = None,
 ) -> None:
     """θ ← θ - lr·(Δ + μ·b) after b ← μ·b + Δ, in place; momentum starts as zeros."""
     check_step(lr, mu)
-    check_block_numel(block_numel)
+    block_numel = resolve_block_numel(block_numel)
     check_state(params, momentum, delta)
     if not params:
         return

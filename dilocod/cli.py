@@ -338,10 +338,16 @@ def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: An
     import torch  # noqa: PLC0415 - after the cheap checks, so typos fail fast
 
     from dilocod.learner.daemon import LearnerSetup, LearnerSetupError, run_learner  # noqa: PLC0415
+    from dilocod.learner.island import IslandConfig  # noqa: PLC0415
     from dilocod.learner.link import LinkConfig  # noqa: PLC0415
     from dilocod.learner.runtime import RuntimeConfig  # noqa: PLC0415
 
     device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    # Under torchrun every rank runs this command; rank 0 alone talks to the syncer.
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    island = None
+    if world_size > 1:
+        island = IslandConfig(int(os.environ["RANK"]), world_size, int(os.environ.get("LOCAL_RANK", "0")))
     assert config.syncer is not None and config.entry is not None and config.id is not None
     setup = LearnerSetup(
         runtime=RuntimeConfig(
@@ -366,6 +372,7 @@ def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: An
         device=device,
         seed=config.seed,
         use_uvloop=uvloop,
+        island=island,
     )
     try:
         run_learner(setup)

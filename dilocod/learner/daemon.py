@@ -18,6 +18,7 @@ import torch
 from dilocod.contract import LearnerContext, Trainer
 from dilocod.learner.bridge import Bridge
 from dilocod.learner.entry import EntryError, load_trainer
+from dilocod.learner.island import Island, IslandConfig
 from dilocod.learner.layout import PlanMismatch, model_entries
 from dilocod.learner.link import Link, LinkConfig
 from dilocod.learner.runtime import LearnerStopped, RuntimeConfig, TrainingLoop
@@ -39,30 +40,51 @@ class LearnerSetup:
     device: str
     seed: int
     use_uvloop: bool = True
+    #: Set under torchrun (WORLD_SIZE > 1): this process is one rank of an island.
+    island: IslandConfig | None = None
 
 
-def load_entry(setup: LearnerSetup) -> tuple[Trainer, torch.device]:
-    """Load and check the user's entry: the first thing a learner does, before any connection."""
+def resolve_device(setup: LearnerSetup) -> torch.device:
     device = torch.device(setup.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise LearnerSetupError(f"--device {setup.device}: CUDA is not available on this host")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise LearnerSetupError(f"--device {setup.device}: CUDA is not available on this host")
+        if setup.island is not None and device.index is None:
+            device = torch.device("cuda", setup.island.local_rank)  # one GPU per rank
+    return device
+
+
+def load_entry(setup: LearnerSetup, device: torch.device) -> Trainer:
+    """Load and check the user's entry: the first thing a learner does, before any connection."""
+    rank, world = (setup.island.rank, setup.island.world_size) if setup.island is not None else (0, 1)
     ctx = LearnerContext(
-        setup.link.learner_id, "learner", str(device), 0, 1, setup.runtime.state_dir, setup.seed
+        setup.link.learner_id, "learner", str(device), rank, world, setup.runtime.state_dir, setup.seed
     )
     try:
-        return load_trainer(setup.runtime.entry, ctx), device
+        return load_trainer(setup.runtime.entry, ctx)
     except EntryError as exc:
         raise LearnerSetupError(str(exc)) from exc.__cause__
 
 
 def run_learner(setup: LearnerSetup) -> None:
-    trainer, device = load_entry(setup)
+    device = resolve_device(setup)
+    # The process group first: the user's factory may wrap the model for data parallelism.
+    island = Island.start(setup.island, device) if setup.island is not None else None
+    try:
+        _run(setup, device, island)
+    finally:
+        if island is not None:
+            island.close()
+
+
+def _run(setup: LearnerSetup, device: torch.device, island: Island | None) -> None:
+    trainer = load_entry(setup, device)
     try:
         model = model_entries(trainer.model)
     except PlanMismatch as exc:
         raise LearnerSetupError(f"--entry {setup.runtime.entry}: {exc}") from None
     bridge = Bridge()
-    loop = TrainingLoop(setup.runtime, trainer, bridge, device, setup.link.learner_id)
+    loop = TrainingLoop(setup.runtime, trainer, bridge, device, setup.link.learner_id, island)
     try:
         loop.restore()
     except LocalStateError as exc:
@@ -70,15 +92,17 @@ def run_learner(setup: LearnerSetup) -> None:
     link = Link(setup.link, model, bridge)
     link.incarnation = loop.incarnation
     stop = threading.Event()
-    network = _NetworkThread(link, setup.use_uvloop)
+    network = _NetworkThread(link, setup.use_uvloop) if loop.leader else None
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
-    network.start()
+    if network is not None:
+        network.start()
     try:
         loop.run(stop)
     except LearnerStopped as exc:
         raise LearnerSetupError(f"the syncer cannot use this learner: {exc}") from None
     finally:
-        network.stop()
+        if network is not None:
+            network.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         log.info("learner stopped", step=loop.step_index, pushes=link.stats.pushes_sent)

@@ -24,8 +24,9 @@ import structlog
 import torch
 
 from dilocod.contract import Trainer
-from dilocod.learner.bridge import Adopt, Bridge, Snapshot, StepReportItem
+from dilocod.learner.bridge import Adopt, Bridge, Inbox, Snapshot, StepReportItem
 from dilocod.learner.entry import check_step_result
+from dilocod.learner.island import Island
 from dilocod.learner.layout import FragmentLayout, layouts_for
 from dilocod.learner.state import load_local_state, save_local_state
 from dilocod.outer import apply_update_
@@ -106,9 +107,18 @@ class HostCopier:
 
 class TrainingLoop:
     def __init__(
-        self, config: RuntimeConfig, trainer: Trainer, bridge: Bridge, device: torch.device, learner_id: str
+        self,
+        config: RuntimeConfig,
+        trainer: Trainer,
+        bridge: Bridge,
+        device: torch.device,
+        learner_id: str,
+        island: Island | None = None,
     ) -> None:
         self.config = config
+        #: In a torchrun island only rank 0 talks to the network; the others follow its inbox.
+        self.island = island
+        self.leader = island is None or island.leader
         self.trainer = trainer
         self.bridge = bridge
         self.learner_id = learner_id
@@ -130,11 +140,18 @@ class TrainingLoop:
 
     # ------------------------------------------------------------------ life cycle
 
+    @property
+    def state_dir(self) -> Path | None:
+        """Where this process keeps its state: one directory per rank in an island."""
+        if self.config.state_dir is None or self.island is None:
+            return self.config.state_dir
+        return self.config.state_dir / f"rank-{self.island.rank}"
+
     def restore(self) -> bool:
         """Model, inner optimizer, user state and step count from --state-dir, if saved there."""
-        if self.config.state_dir is None:
+        if self.state_dir is None:
             return False
-        state = load_local_state(self.config.state_dir)
+        state = load_local_state(self.state_dir)
         if state is None:
             return False
         self.trainer.model.load_state_dict(state["model"])
@@ -144,11 +161,11 @@ class TrainingLoop:
             self.trainer.load_state_dict(state["user"])
         self.step_index = int(state.get("step", 0))
         self.incarnation = str(state.get("incarnation", ""))
-        log.info("restored local state", step=self.step_index, state_dir=str(self.config.state_dir))
+        log.info("restored local state", step=self.step_index, state_dir=str(self.state_dir))
         return True
 
     def save(self) -> None:
-        if self.config.state_dir is None:
+        if self.state_dir is None:
             return
         state: dict[str, Any] = {
             "model": self.trainer.model.state_dict(),
@@ -158,7 +175,7 @@ class TrainingLoop:
             "incarnation": self.incarnation,
             "learner_id": self.learner_id,
         }
-        path = save_local_state(self.config.state_dir, state)
+        path = save_local_state(self.state_dir, state)
         self._last_save = time.monotonic()
         log.info("saved local state", path=str(path), step=self.step_index)
 
@@ -166,20 +183,22 @@ class TrainingLoop:
         """Train until stop is set or --steps are done; saves the local state on the way out."""
         self._wait_for_first_heal(stop)
         try:
-            while not stop.is_set() and (self.config.steps is None or self.step_index < self.config.steps):
+            while self._agree(
+                not stop.is_set() and (self.config.steps is None or self.step_index < self.config.steps)
+            ):
                 self.boundary()
                 if self.overlap == 0:
                     # Lock-step waits here, right after the boundary that pushed, not after the
                     # next step: a step run while the fragment is in flight trains on the pre-merge
                     # values and is then overwritten by the merge (that would be tau = 1).
                     self._wait_for_merges(stop)
-                    if stop.is_set():
+                    if not self._agree(not stop.is_set()):
                         break
                 self.one_step()
                 now = time.monotonic()
-                if self.config.state_dir is not None and now - self._last_save >= self.config.save_every_s:
+                if self.state_dir is not None and now - self._last_save >= self.config.save_every_s:
                     self.save()
-                if now - self._last_progress >= self.config.progress_every_s:
+                if self.leader and now - self._last_progress >= self.config.progress_every_s:
                     self._report_progress(now)
             self.boundary()  # adopt what arrived during the last step before saving
         finally:
@@ -187,8 +206,14 @@ class TrainingLoop:
 
     # ------------------------------------------------------------------ the step boundary
 
+    def _agree(self, local: bool) -> bool:
+        """A decision every rank of an island takes together (all must say yes)."""
+        return local if self.island is None else self.island.agree(local)
+
     def boundary(self) -> None:
-        inbox = self.bridge.take()
+        inbox = self.bridge.take() if self.leader else Inbox()
+        if self.island is not None:
+            inbox = self.island.share(inbox)
         if inbox.fatal is not None:
             raise LearnerStopped(inbox.fatal)
         if inbox.plan is not None:
@@ -207,14 +232,16 @@ class TrainingLoop:
         started = time.monotonic()
         result = check_step_result(self.config.entry, self.step_index, self.trainer.step(self.step_index))
         elapsed = time.monotonic() - started
+        tokens = result.tokens if self.island is None else self.island.total(result.tokens)
         self.step_index += 1
         for fragment in self.c_steps:
             self.c_steps[fragment] += 1
-            self.c_tokens[fragment] += result.tokens
+            self.c_tokens[fragment] += tokens
         self.progress.steps += 1
-        self.progress.tokens += result.tokens
+        self.progress.tokens += tokens
         self.progress.last_loss = result.loss
-        self.bridge.report_step(StepReportItem(self.step_index, result.tokens, elapsed))
+        if self.leader:
+            self.bridge.report_step(StepReportItem(self.step_index, tokens, elapsed))
 
     def _apply(self, adopt: Adopt) -> None:
         if adopt.fragment >= len(self.layouts):
@@ -241,11 +268,10 @@ class TrainingLoop:
     def _snapshot(self, fragment: int, round_index: int) -> None:
         if fragment >= len(self.layouts) or fragment not in self.anchors:
             return  # not healed yet: nothing meaningful to push
-        theta, ready = self.copier.copy_out(self.layouts[fragment])
-        if self.config.apply == "keep-local":
-            self.sent[fragment] = theta
-        self.bridge.send_snapshot(
-            Snapshot(
+        if self.leader:
+            # Every rank of an island holds the same parameters: rank 0 speaks for all of them.
+            theta, ready = self.copier.copy_out(self.layouts[fragment])
+            snapshot = Snapshot(
                 fragment,
                 round_index,
                 self.versions[fragment],
@@ -255,7 +281,11 @@ class TrainingLoop:
                 self.anchors[fragment],
                 ready,
             )
-        )
+            self.bridge.send_snapshot(snapshot)
+            if self.config.apply == "keep-local":
+                self.sent[fragment] = theta
+        elif self.config.apply == "keep-local":
+            self.sent[fragment] = self.copier.copy_out(self.layouts[fragment])[0]
         self.awaiting.add(fragment)
         self.progress.snapshots += 1
 
@@ -263,13 +293,18 @@ class TrainingLoop:
 
     def _wait_for_first_heal(self, stop: threading.Event) -> None:
         deadline = time.monotonic() + self.config.join_timeout_s
-        while not stop.is_set() and time.monotonic() < deadline:
+        while True:
             self.boundary()
-            if self.layouts and len(self.anchors) == len(self.layouts):
-                log.info("healed", fragments=len(self.layouts), versions=sum(self.versions.values()))
-                return
-            self.bridge.wait(min(1.0, max(0.0, deadline - time.monotonic())))
-        if not stop.is_set():
+            healed = bool(self.layouts) and len(self.anchors) == len(self.layouts)
+            # Rank 0 decides (its deadline, its network); any rank's stop ends the wait for all.
+            waiting = not healed and time.monotonic() < deadline if self.leader else not healed
+            if not self._agree(waiting and not stop.is_set()):
+                break
+            if self.leader:
+                self.bridge.wait(min(1.0, max(0.0, deadline - time.monotonic())))
+        if self.layouts and len(self.anchors) == len(self.layouts):
+            log.info("healed", fragments=len(self.layouts), versions=sum(self.versions.values()))
+        elif not stop.is_set():
             log.warning(
                 "no syncer yet", waited_s=self.config.join_timeout_s, then="training on; the first join heals"
             )
@@ -278,16 +313,17 @@ class TrainingLoop:
         """tau = 0: lock-step. Take what arrives until every pushed fragment has come back merged
         (or join_timeout_s passes: a push the syncer refused never comes back)."""
         deadline = time.monotonic() + self.config.join_timeout_s
-        while self.awaiting and not stop.is_set():
-            if time.monotonic() >= deadline:
-                log.warning(
-                    "merged fragments did not come back: stepping on", fragments=sorted(self.awaiting)
-                )
-                self.awaiting.clear()
-                return
-            # Bounded by the deadline too: a short join_timeout_s must not overshoot by a second.
-            self.bridge.wait(min(1.0, max(0.0, deadline - time.monotonic())))
+        while True:
+            expired = self.leader and time.monotonic() >= deadline
+            if not self._agree(bool(self.awaiting) and not expired and not stop.is_set()):
+                break
+            if self.leader:
+                # Bounded by the deadline too: a short join_timeout_s must not overshoot by a second.
+                self.bridge.wait(min(1.0, max(0.0, deadline - time.monotonic())))
             self.boundary()
+        if self.awaiting and not stop.is_set():
+            log.warning("merged fragments did not come back: stepping on", fragments=sorted(self.awaiting))
+            self.awaiting.clear()
 
     def _report_progress(self, now: float) -> None:
         elapsed = max(now - self.progress.started, 1e-9)

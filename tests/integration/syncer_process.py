@@ -234,6 +234,26 @@ def make_trainer(ctx):
 
 def raising(ctx):
     raise FileNotFoundError("training data not found at /data/shards")
+
+
+def make_island_trainer(ctx):
+    # One rank of a torchrun island: data parallel inside the island with DDP over gloo.
+    model = make_model()
+    if ctx.role == "syncer":
+        return dilocod.Trainer(model=model, optimizer=None, step=lambda i: dilocod.StepResult(0))
+    parallel = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(1000 * ctx.seed + ctx.rank)
+
+    def step(index):
+        x, y = batch(generator)
+        loss = torch.nn.functional.mse_loss(parallel(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        return dilocod.StepResult(tokens=32, loss=float(loss))
+
+    return dilocod.Trainer(model=model, optimizer=optimizer, step=step)
 """
 LEARNER_ENTRY = "learner_test_entry:make_trainer"
 

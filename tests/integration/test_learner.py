@@ -6,6 +6,7 @@ Every wait is on a log record or a process exit, with a deadline."""
 from __future__ import annotations
 
 import importlib
+import os
 import socket
 import subprocess
 import sys
@@ -174,3 +175,35 @@ def test_a_learner_started_before_its_syncer_trains_on_and_joins(tmp_path: Path,
     finally:
         if early.alive():
             early.kill()
+
+
+def test_a_torchrun_island_of_two_ranks(tmp_path: Path, entry_dir: Path) -> None:
+    """torchrun --nproc-per-node 2 (gloo on CPU): rank 0 alone talks to the syncer, both ranks apply
+    the same merged fragments at the same steps and end with the same parameters; the island's
+    tokens are the sum over its ranks."""
+    syncer = start_syncer(tmp_path, entry_dir, tmp_path / "syncer", *SYNCER_ARGS, entry=LEARNER_ENTRY)
+    state = tmp_path / "island"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"]
+    command += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
+    command += ["-m", "dilocod", "learner", "--syncer", f"127.0.0.1:{syncer.port}", "--insecure"]
+    command += ["--entry", "learner_test_entry:make_island_trainer", "--id", "island", "--device", "cpu"]
+    command += ["--steps", "120", "--state-dir", str(state)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(entry_dir), os.environ.get("PYTHONPATH", "")])}
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=DEADLINE_S, env=env, check=False
+        )
+        assert done.returncode == 0, done.stderr[-4000:]
+    finally:
+        assert syncer.stop() == 0, syncer.stderr()
+    merged = syncer.log_events("round merged")
+    assert merged and all(record["contributors"] == ["island"] for record in merged)
+    for record in merged:
+        (tokens,), (steps,) = record["tokens"], record["steps"]
+        assert tokens == steps * 2 * 32
+    ranks = [torch.load(state / f"rank-{r}" / "learner-state.pt", weights_only=True) for r in (0, 1)]
+    assert ranks[0]["step"] == ranks[1]["step"] == 120
+    for name, value in ranks[0]["model"].items():
+        assert torch.equal(value, ranks[1]["model"][name]), name
+    joins = [line for line in done.stderr.splitlines() if '"event": "joined"' in line]
+    assert len(joins) == 1, "only rank 0 connects"

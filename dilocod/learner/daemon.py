@@ -84,12 +84,25 @@ def _run(setup: LearnerSetup, device: torch.device, island: Island | None) -> No
     except PlanMismatch as exc:
         raise LearnerSetupError(f"--entry {setup.runtime.entry}: {exc}") from None
     bridge = Bridge()
-    loop = TrainingLoop(setup.runtime, trainer, bridge, device, setup.link.learner_id, island)
+    link = Link(setup.link, model, bridge)
+
+    def network_status() -> dict[str, object]:
+        # Plain values written by the network thread; a slightly stale read is fine for a progress line.
+        stats = link.stats
+        latency = stats.last_push_to_update_s
+        return {
+            "syncer": "connected" if stats.connected else "away",
+            "last_round_s": None if latency is None else round(latency, 3),
+            "sent_bytes": stats.bytes_sent,
+            "received_bytes": stats.bytes_received,
+            "refused": stats.pushes_refused,
+        }
+
+    loop = TrainingLoop(setup.runtime, trainer, bridge, device, setup.link.learner_id, island, network_status)
     try:
         loop.restore()
     except LocalStateError as exc:
         raise LearnerSetupError(str(exc)) from None
-    link = Link(setup.link, model, bridge)
     link.incarnation = loop.incarnation
     stop = threading.Event()
     network = _NetworkThread(link, setup.use_uvloop) if loop.leader else None

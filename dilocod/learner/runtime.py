@@ -114,8 +114,11 @@ class TrainingLoop:
         device: torch.device,
         learner_id: str,
         island: Island | None = None,
+        network_status: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.config = config
+        #: What the network thread last knew (connection, bytes, round latency), for progress lines.
+        self.network_status = network_status
         #: In a torchrun island only rank 0 talks to the network; the others follow its inbox.
         self.island = island
         self.leader = island is None or island.leader
@@ -336,5 +339,6 @@ class TrainingLoop:
             applied=self.progress.applied,
             pushed=self.progress.snapshots,
             in_flight=len(self.awaiting),
+            **(self.network_status() if self.network_status is not None else {}),
         )
         self._last_progress = now

@@ -236,6 +236,14 @@ def raising(ctx):
     raise FileNotFoundError("training data not found at /data/shards")
 
 
+def make_wider(ctx):
+    # A learner whose model is not the syncer's: 48 hidden units instead of 32.
+    torch.manual_seed(1234)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.Tanh(), torch.nn.Linear(48, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    return dilocod.Trainer(model=model, optimizer=optimizer, step=lambda i: dilocod.StepResult(32))
+
+
 def make_island_trainer(ctx):
     # One rank of a torchrun island: data parallel inside the island with DDP over gloo.
     model = make_model()

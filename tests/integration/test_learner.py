@@ -6,6 +6,7 @@ Every wait is on a log record or a process exit, with a deadline."""
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import socket
 import subprocess
@@ -63,6 +64,26 @@ def test_two_learners_train_the_global_model(tmp_path: Path, entry_dir: Path) ->
     try:
         for learner in learners:
             assert learner.process.wait(timeout=DEADLINE_S) == 0, learner.stderr()
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dilocod",
+                "status",
+                "--syncer",
+                f"127.0.0.1:{syncer.port}",
+                "--insecure",
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        status = json.loads(done.stdout)
+        contributions = {learner["id"]: learner["contributions"] for learner in status["learners"]}
+        assert contributions.keys() == {"m0", "m1"} and min(contributions.values()) >= 1, contributions
+        assert sum(learner["weight_share"] for learner in status["learners"]) == pytest.approx(1.0)
     finally:
         for learner in learners:
             if learner.alive():
@@ -142,7 +163,14 @@ def test_a_killed_learner_restarts_from_its_state_and_heals(tmp_path: Path, entr
         for learner in (survivor, restarted):
             learner.process.terminate()
             assert learner.process.wait(timeout=DEADLINE_S) == 0, learner.stderr()
-        assert restarted.log_events("saved local state")[-1]["step"] > restored["step"]
+        final_step = restarted.log_events("saved local state")[-1]["step"]
+        assert final_step > restored["step"]
+        # The data cursor and the inner optimizer went on from where they were saved, not from zero.
+        saved = torch.load(state / "learner-state.pt", weights_only=True)
+        assert saved["step"] == final_step
+        assert saved["user"]["batches"] == final_step
+        adam_steps = {float(v["step"]) for v in saved["optimizer"]["state"].values()}
+        assert adam_steps == {float(final_step)}
     finally:
         for learner in (survivor, victim):
             if learner.alive():
@@ -207,3 +235,21 @@ def test_a_torchrun_island_of_two_ranks(tmp_path: Path, entry_dir: Path) -> None
         assert torch.equal(value, ranks[1]["model"][name]), name
     joins = [line for line in done.stderr.splitlines() if '"event": "joined"' in line]
     assert len(joins) == 1, "only rank 0 connects"
+
+
+def test_a_learner_whose_model_differs_is_refused_clearly(tmp_path: Path, entry_dir: Path) -> None:
+    """The syncer's plan names the first differing parameter; the learner exits 78 without
+    hanging; the syncer serves the others on."""
+    syncer = start_syncer(tmp_path, entry_dir, tmp_path / "syncer", *SYNCER_ARGS, entry=LEARNER_ENTRY)
+    try:
+        wrong = start_learner(
+            tmp_path, entry_dir, syncer.port, "wrong", "--entry", "learner_test_entry:make_wider"
+        )
+        assert wrong.process.wait(timeout=DEADLINE_S) == 78, wrong.stderr()
+        assert "the syncer cannot use this learner" in wrong.stderr()
+        assert "parameter '0.weight' has shape [48, 16]" in wrong.stderr()
+        good = start_learner(tmp_path, entry_dir, syncer.port, "good", "--steps", "60")
+        assert good.process.wait(timeout=DEADLINE_S) == 0, good.stderr()
+        assert syncer.alive()
+    finally:
+        assert syncer.stop() == 0, syncer.stderr()

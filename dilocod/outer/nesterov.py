@@ -31,9 +31,7 @@ def check_step(lr: float, mu: float) -> None:
 
 def check_state(params: Sequence[Tensor], momentum: Sequence[Tensor], like: Sequence[Tensor]) -> None:
     if not len(params) == len(momentum) == len(like):
-        raise ValueError(
-            f"{len(params)} parameters, {len(momentum)} momentum buffers and {len(like)} deltas"
-        )
+        raise ValueError(f"{len(params)} parameters, {len(momentum)} momentum buffers and {len(like)} deltas")
     for t, (p, b, d) in enumerate(zip(params, momentum, like, strict=True)):
         if not (p.shape == b.shape == d.shape):
             raise ValueError(

@@ -69,7 +69,6 @@ class FragmentStore:
     spare: list[bytearray] = field(default_factory=list)
     #: Retired snapshots still lent to sends.
     retired: list[Snapshot] = field(default_factory=list)
-    scratch: list[Tensor] | None = None
 
 
 def _views(buffer: bytearray | memoryview, manifest: Sequence[TensorEntry]) -> list[Tensor]:
@@ -233,11 +232,11 @@ class GlobalModel:
         version: int,
     ) -> Snapshot:
         """Merge the pushes into Θ_p and step b_p and Θ_p in place, now at `version`; then copy
-        Θ_p into target and hash it: the snapshot to publish."""
+        Θ_p into target and hash it: the snapshot to publish. The pushes' contents are consumed."""
         store = self.fragments[index]
-        if store.scratch is None:
-            # Kept across rounds: RDA's u' per tensor (allocating 100 MB each round costs faults).
-            store.scratch = [torch.empty(e.shape, dtype=torch.float32) for e in store.manifest]
+        # The pushes are the syncer's own buffers, back to the pool right after: the merge may
+        # write its intermediate direction into one of them instead of a scratch buffer, which saves
+        # a fragment-sized write and read per round (bench/RESULTS.md §3).
         outer_step_(
             store.params,
             store.momentum_views,
@@ -247,7 +246,7 @@ class GlobalModel:
             mu,
             merge=merge,
             is_embedding=store.is_embedding,
-            scratch=store.scratch,
+            consume_deltas=True,
         )
         store.version = version
         self.copy_out(index, target)

@@ -9,9 +9,11 @@ disturbing anyone, a stopped learner not holding K = 1 rounds back, and restarts
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -135,6 +137,13 @@ def test_bad_input_is_refused_and_the_syncer_serves_on(tmp_path: Path, entry_dir
         tmp_path, entry_dir, tmp_path / "state", "--fragments", "2", "--sync-every", "2", "--quorum", "1"
     )
     wrong = (ModelEntry(entries[0].name, "float32", (3, 3)), *entries[1:])
+
+    # Protocol garbage: the connection is closed, nothing else notices.
+    with socket.create_connection(("127.0.0.1", syncer.port), timeout=30) as garbage:
+        garbage.sendall(bytes(range(256)) * 64)
+        with contextlib.suppress(ConnectionResetError):
+            while garbage.recv(65536):
+                pass
 
     async def main() -> None:
         async with asyncio.timeout(DEADLINE_S):

@@ -1,0 +1,564 @@
+"""Learner overhead benchmark: a training step alone against the same step under `dilocod learner`.
+
+The model is a small byte-level GPT built by an entry module written into a temporary directory
+(4 blocks, 4 heads, width chosen from --params, untied head, float32, fixed seed: 53 parameter
+tensors), trained with AdamW on 2 sequences of 32 tokens of a fixed synthetic byte stream per
+step, with --torch-threads intra-op threads. The same entry's Trainer.step is run two ways, each
+in its own child process:
+
+- alone: a plain loop calling trainer.step(i), no dilocod runtime (the entry is imported and its
+  factory called with role "learner"; nothing else of dilocod runs);
+- under dilocod: `python -m dilocod learner --steps N` against a real `python -m dilocod syncer
+  --fragments 24 --sync-every 24 --overlap 2` (P = H = 24, tau = 2; otherwise the syncer's
+  defaults, K = 1, RDA, uncompressed) on 127.0.0.1, a fresh syncer for every run.
+
+The step times are taken by the entry itself, identically in both: time.perf_counter() at the end
+of each step (after the optimizer step and the loss read back), and the interval from the end of
+one step to the end of the next, so under dilocod an interval includes the runtime's work at the
+step boundary (taking the inbox, applying merged fragments, copying requested ones out, reporting
+the step). Also recorded per step: the time inside the user's step (its first line to its last),
+so an interval splits into the step itself and the time between steps. After --warmup steps (two
+cycles of the 24 fragments by default: every fragment has been pushed, merged and applied, so
+the syncer's buffers exist) the next --steps intervals are kept, with the process's and the main
+(training) thread's CPU time over that window and the syncer's (from /proc). The syncer's "round
+merged" log lines (JSON on its stderr) whose timestamps fall in the window are the rounds merged
+during the measurement.
+
+The two are alternated (--reps pairs per placement, the order swapped from one pair to the next)
+so load from other tenants of this shared 2-core machine hits both, and the medians are taken
+over the intervals of all pairs. Placements (--placements), since the syncer here shares the two
+cores with the learner, which it never does across sites:
+
+- shared: no pinning, the scheduler places every thread of both processes;
+- pinned: the learner process (training, network and push threads) on CPU 0, the syncer on CPU 1;
+  the alone process on CPU 0;
+- split: the learner's training thread on CPU 0, its network and push threads with the syncer on
+  CPU 1 (the shape of a learner host with cores to spare); the alone process on CPU 0.
+
+It measures and records; it asserts nothing. Run from the repository root:
+``python bench/learner_overhead.py [--steps 300] [--params 2500000] [--json FILE]``.
+Must not be imported by dilocod or the tests; it starts dilocod through its command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import selectors
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "learner_overhead.json"
+ENTRY_MODULE = "learner_overhead_entry"
+ENTRY = f"{ENTRY_MODULE}:make_trainer"
+SYNCER_FLAGS = ("--fragments", "24", "--sync-every", "24", "--overlap", "2")
+LAYERS, VOCAB, SEQ, BATCH = 4, 256, 32, 2
+READY_TIMEOUT_S = 120.0
+RUN_TIMEOUT_S = 600.0
+
+ENTRY_SOURCE = '''
+"""Benchmark entry (written by bench/learner_overhead.py): a small GPT, and step timing."""
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dilocod
+
+CONFIG = json.loads((Path(__file__).parent / "learner_overhead_config.json").read_text())
+WIDTH, LAYERS, HEADS = CONFIG["width"], CONFIG["layers"], 4
+VOCAB, SEQ, BATCH = CONFIG["vocab"], CONFIG["seq"], CONFIG["batch"]
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
+        self.qkv, self.proj = nn.Linear(WIDTH, 3 * WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.fc, self.out = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, WIDTH // HEADS).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(b, t, WIDTH))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(VOCAB, WIDTH), nn.Embedding(SEQ, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.ln = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        h = self.embed(tokens) + self.pos.weight[: tokens.shape[1]]
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.ln(h))
+
+
+def byte_stream(length=1 << 18):
+    """A fixed, learnable byte stream: each byte follows from the one before it, with noise."""
+    g = torch.Generator().manual_seed(7)
+    table = torch.randint(0, VOCAB, (VOCAB,), generator=g)
+    noise = torch.randint(0, VOCAB, (length,), generator=g)
+    keep = torch.rand(length, generator=g) < 0.8
+    table, noise, keep = table.tolist(), noise.tolist(), keep.tolist()
+    out = [0]
+    for i in range(1, length):
+        out.append(table[out[-1]] if keep[i] else noise[i])
+    return torch.tensor(out, dtype=torch.long)
+
+
+def proc_cpu_s(pid):
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Recorder:
+    """Per-step times taken inside the step; written to CONFIG["times"] after the last one."""
+
+    def __init__(self):
+        self.warmup, self.steps = CONFIG["warmup"], CONFIG["steps"]
+        self.calls = 0
+        self.last_end = None
+        self.intervals, self.work = [], []
+        self.window = {}
+        self.losses = []
+
+    def end_of_step(self, started, loss):
+        now = time.perf_counter()
+        self.calls += 1
+        if self.calls > self.warmup:
+            self.intervals.append(now - self.last_end)
+            self.work.append(now - started)
+        self.last_end = now
+        if self.calls in (self.warmup, self.warmup + self.steps):
+            mark = {
+                "wall": time.time(),
+                "perf": now,
+                "process_cpu_s": time.process_time(),
+                "thread_cpu_s": time.thread_time(),
+                "loss": loss,
+            }
+            if CONFIG.get("syncer_pid"):
+                mark["syncer_cpu_s"] = proc_cpu_s(CONFIG["syncer_pid"])
+            self.window["start" if self.calls == self.warmup else "end"] = mark
+        if self.calls == self.warmup + self.steps:
+            record = {"intervals_s": self.intervals, "work_s": self.work, "window": self.window}
+            Path(CONFIG["times"]).write_text(json.dumps(record))
+
+
+def make_trainer(ctx):
+    torch.set_num_threads(CONFIG["torch_threads"])
+    torch.manual_seed(1234)  # the syncer builds the same initial model
+    model = GPT()
+    if ctx.role == "syncer":
+        return dilocod.Trainer(model=model, optimizer=None, step=lambda i: dilocod.StepResult(0))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = byte_stream()
+    generator = torch.Generator().manual_seed(ctx.seed)
+    recorder = Recorder()
+    pin = CONFIG.get("pin_main_thread")
+
+    def step(index):
+        if pin is not None and recorder.calls == 0:
+            # Linux: pid 0 is the calling thread alone; threads made earlier keep their CPUs.
+            os.sched_setaffinity(0, {pin})
+        started = time.perf_counter()
+        starts = torch.randint(0, len(data) - SEQ - 1, (BATCH,), generator=generator)
+        rows = torch.stack([data[s : s + SEQ + 1] for s in starts.tolist()])
+        logits = model(rows[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), rows[:, 1:].reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        value = loss.item()
+        recorder.end_of_step(started, value)
+        return dilocod.StepResult(tokens=BATCH * SEQ, loss=value)
+
+    return dilocod.Trainer(model=model, optimizer=optimizer, step=step)
+
+
+def alone():
+    """The same step in a plain loop: no dilocod runtime."""
+    ctx = dilocod.LearnerContext("alone", "learner", "cpu", 0, 1, None, CONFIG["seed"])
+    trainer = make_trainer(ctx)
+    for index in range(CONFIG["warmup"] + CONFIG["steps"]):
+        trainer.step(index)
+'''
+
+
+def width_for(params: int) -> int:
+    """The width (a multiple of 16) whose model has the parameter count closest to params."""
+    return min(range(16, 4097, 16), key=lambda d: abs(param_count(d) - params))
+
+
+def param_count(d: int) -> int:
+    per_block = 12 * d * d + 13 * d  # qkv, proj, fc, out with biases; two LayerNorms
+    return LAYERS * per_block + VOCAB * d + SEQ * d + 2 * d + VOCAB * d
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q
+    low, high = math.floor(position), math.ceil(position)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+@contextlib.contextmanager
+def children_on(cpus: set[int] | None) -> Iterator[None]:
+    """Children started inside inherit these CPUs (this process's own affinity, restored after)."""
+    if cpus is None:
+        yield
+        return
+    previous = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, previous)
+
+
+def child_env(entry_dir: Path) -> dict[str, str]:
+    paths = [str(entry_dir), str(ROOT), os.environ.get("PYTHONPATH", "")]
+    # torch warns at import when numpy is missing (it is not needed here).
+    quiet = "ignore:Failed to initialize NumPy:UserWarning"
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p), "PYTHONWARNINGS": quiet}
+
+
+def write_config(entry_dir: Path, config: dict[str, Any]) -> None:
+    (entry_dir / "learner_overhead_config.json").write_text(json.dumps(config))
+
+
+def run_alone(entry_dir: Path, config: dict[str, Any], cpus: set[int] | None) -> None:
+    write_config(entry_dir, config)
+    command = [sys.executable, "-c", f"import {ENTRY_MODULE} as e; e.alone()"]
+    with children_on(cpus):
+        process = subprocess.Popen(command, env=child_env(entry_dir), stdout=subprocess.DEVNULL)
+    if process.wait(timeout=RUN_TIMEOUT_S) != 0:
+        raise RuntimeError(f"the alone run exited with {process.returncode}")
+
+
+def start_syncer(entry_dir: Path, work: Path, cpus: set[int] | None) -> tuple[subprocess.Popen[bytes], int]:
+    state = tempfile.mkdtemp(prefix="syncer-", dir=work)
+    stderr = (work / "syncer.stderr").open("wb")
+    command = [sys.executable, "-m", "dilocod", "syncer", "--listen", "127.0.0.1:0", "--insecure"]
+    command += ["--entry", ENTRY, "--state-dir", state, "--ready-json", *SYNCER_FLAGS]
+    with children_on(cpus):
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, env=child_env(entry_dir))
+    stderr.close()
+    assert process.stdout is not None
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        ready = selector.select(READY_TIMEOUT_S)
+    line = process.stdout.readline() if ready else b""
+    if not line:
+        process.kill()
+        process.wait()
+        raise RuntimeError(f"syncer not ready: {(work / 'syncer.stderr').read_text(errors='replace')}")
+    return process, int(json.loads(line)["port"])
+
+
+def run_under_dilocod(
+    entry_dir: Path,
+    work: Path,
+    config: dict[str, Any],
+    learner_cpus: set[int] | None,
+    syncer_cpus: set[int] | None,
+) -> dict[str, Any]:
+    write_config(entry_dir, {**config, "syncer_pid": None})  # the syncer reads it too
+    syncer, port = start_syncer(entry_dir, work, syncer_cpus)
+    try:
+        write_config(entry_dir, {**config, "syncer_pid": syncer.pid})
+        command = [sys.executable, "-m", "dilocod", "learner", "--syncer", f"127.0.0.1:{port}", "--insecure"]
+        command += ["--entry", ENTRY, "--id", "bench", "--device", "cpu"]
+        command += ["--steps", str(config["warmup"] + config["steps"]), "--seed", str(config["seed"])]
+        with (work / "learner.stderr").open("wb") as stderr, children_on(learner_cpus):
+            learner = subprocess.Popen(
+                command, env=child_env(entry_dir), stdout=subprocess.DEVNULL, stderr=stderr
+            )
+        if learner.wait(timeout=RUN_TIMEOUT_S) != 0:
+            log = (work / "learner.stderr").read_text(errors="replace")
+            raise RuntimeError(f"the learner exited with {learner.returncode}: {log}")
+    finally:
+        syncer.send_signal(signal.SIGTERM)
+        try:
+            syncer.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            syncer.kill()
+            syncer.wait()
+    return {
+        "syncer": records(work / "syncer.stderr"),
+        "learner": records(work / "learner.stderr"),
+    }
+
+
+def records(path: Path) -> list[dict[str, Any]]:
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out
+
+
+def summarise(times: dict[str, Any]) -> dict[str, Any]:
+    intervals, work = times["intervals_s"], times["work_s"]
+    start, end = times["window"]["start"], times["window"]["end"]
+    wall = end["perf"] - start["perf"]
+    between = [i - w for i, w in zip(intervals, work, strict=True)]
+    out = {
+        "steps": len(intervals),
+        "median_ms": statistics.median(intervals) * 1e3,
+        "p90_ms": percentile(intervals, 0.9) * 1e3,
+        "mean_ms": statistics.fmean(intervals) * 1e3,
+        "step_median_ms": statistics.median(work) * 1e3,
+        "between_median_ms": statistics.median(between) * 1e3,
+        "between_mean_ms": statistics.fmean(between) * 1e3,
+        "process_cores": (end["process_cpu_s"] - start["process_cpu_s"]) / wall,
+        "training_thread_cores": (end["thread_cpu_s"] - start["thread_cpu_s"]) / wall,
+        "loss_start": start["loss"],
+        "loss_end": end["loss"],
+    }
+    if "syncer_cpu_s" in start:
+        out["syncer_cores"] = (end["syncer_cpu_s"] - start["syncer_cpu_s"]) / wall
+    return out
+
+
+def merged_in_window(logs: dict[str, Any], times: dict[str, Any]) -> dict[str, Any]:
+    start, end = times["window"]["start"]["wall"], times["window"]["end"]["wall"]
+    merged = []
+    for record in logs["syncer"]:
+        if record.get("event") != "round merged" or "timestamp" not in record:
+            continue
+        at = datetime.fromisoformat(record["timestamp"]).timestamp()
+        if start <= at <= end:
+            merged.append(record)
+    everything = logs["learner"] + logs["syncer"]
+    warnings = sorted({r.get("event", "") for r in everything if r.get("level") in {"warning", "error"}})
+    return {
+        "rounds_merged": len(merged),
+        "fragments_merged": len({r["fragment"] for r in merged}),
+        "merge_duration_median_ms": (
+            statistics.median(r["duration_s"] for r in merged) * 1e3 if merged else None
+        ),
+        "log_warnings": warnings,
+    }
+
+
+def measure_placement(
+    name: str, args: argparse.Namespace, entry_dir: Path, work: Path, base: dict[str, Any]
+) -> dict[str, Any]:
+    learner_cpus: set[int] | None = None
+    syncer_cpus: set[int] | None = None
+    alone_cpus: set[int] | None = None
+    config = dict(base)
+    if name == "pinned":
+        learner_cpus, syncer_cpus, alone_cpus = {0}, {1}, {0}
+    elif name == "split":
+        learner_cpus, syncer_cpus, alone_cpus = {1}, {1}, {0}
+        config["pin_main_thread"] = 0
+    pairs = []
+    for rep in range(args.reps):
+        pair: dict[str, Any] = {}
+        for kind in ("alone", "dilocod") if rep % 2 == 0 else ("dilocod", "alone"):
+            times_path = work / f"{name}-{rep}-{kind}.json"
+            run_config = {**config, "times": str(times_path)}
+            if kind == "alone":
+                run_config.pop("pin_main_thread", None)
+                run_alone(entry_dir, run_config, alone_cpus)
+                times = json.loads(times_path.read_text())
+                pair["alone"] = {"summary": summarise(times), "times": times}
+            else:
+                logs = run_under_dilocod(entry_dir, work, run_config, learner_cpus, syncer_cpus)
+                times = json.loads(times_path.read_text())
+                summary = summarise(times) | merged_in_window(logs, times)
+                pair["dilocod"] = {"summary": summary, "times": times}
+        a, d = pair["alone"]["summary"], pair["dilocod"]["summary"]
+        print(
+            f"{name} pair {rep}: alone {a['median_ms']:.2f} ms, dilocod {d['median_ms']:.2f} ms "
+            f"({d['median_ms'] / a['median_ms'] - 1:+.1%}), {d['rounds_merged']} rounds merged",
+            file=sys.stderr,
+        )
+        pairs.append(pair)
+    return aggregate(name, pairs)
+
+
+def aggregate(name: str, pairs: list[dict[str, Any]]) -> dict[str, Any]:
+    pooled: dict[str, dict[str, Any]] = {}
+    for kind in ("alone", "dilocod"):
+        intervals = [x for p in pairs for x in p[kind]["times"]["intervals_s"]]
+        work = [x for p in pairs for x in p[kind]["times"]["work_s"]]
+        summaries = [p[kind]["summary"] for p in pairs]
+        pooled[kind] = {
+            "steps": len(intervals),
+            "median_ms": statistics.median(intervals) * 1e3,
+            "p90_ms": percentile(intervals, 0.9) * 1e3,
+            "step_median_ms": statistics.median(work) * 1e3,
+            "between_median_ms": statistics.median(i - w for i, w in zip(intervals, work, strict=True)) * 1e3,
+            "between_mean_ms": statistics.fmean(i - w for i, w in zip(intervals, work, strict=True)) * 1e3,
+            "process_cores": statistics.fmean(s["process_cores"] for s in summaries),
+            "training_thread_cores": statistics.fmean(s["training_thread_cores"] for s in summaries),
+        }
+        if kind == "dilocod":
+            pooled[kind]["rounds_merged"] = sum(s["rounds_merged"] for s in summaries)
+            pooled[kind]["syncer_cores"] = statistics.fmean(s.get("syncer_cores", 0.0) for s in summaries)
+    a, d = pooled["alone"], pooled["dilocod"]
+    return {
+        "placement": name,
+        "alone": a,
+        "dilocod": d,
+        "overhead_median": d["median_ms"] / a["median_ms"] - 1,
+        "overhead_p90": d["p90_ms"] / a["p90_ms"] - 1,
+        "overhead_median_per_pair": [
+            p["dilocod"]["summary"]["median_ms"] / p["alone"]["summary"]["median_ms"] - 1 for p in pairs
+        ],
+        "pairs": [{k: p[k]["summary"] for k in ("alone", "dilocod")} for p in pairs],
+    }
+
+
+def machine_facts() -> dict[str, Any]:
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "dilocod"], cwd=ROOT, check=False)
+        version = f"{head}, dilocod/ {'modified' if dirty.returncode else 'as committed'}"
+    except (OSError, subprocess.CalledProcessError):
+        version = "unknown (not a git checkout)"
+    import torch  # only for its version: the children do the work
+
+    return {
+        "nproc": len(os.sched_getaffinity(0)),
+        "cpu": cpu,
+        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "dilocod": version,
+    }
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Median step time of a small model trained alone against the same step under "
+        "`dilocod learner` with a real syncer on loopback (P = H = 24, tau = 2).",
+    )
+    parser.add_argument("--steps", type=int, default=300, help="measured steps per run (default 300)")
+    parser.add_argument(
+        "--warmup", type=int, default=60, help="steps before the measurement (default 60: 2.5 cycles of P)"
+    )
+    parser.add_argument(
+        "--params",
+        type=int,
+        default=2_500_000,
+        help="model size: the width is chosen to match (default 2.5M)",
+    )
+    parser.add_argument("--reps", type=int, default=2, help="alone/dilocod pairs per placement (default 2)")
+    parser.add_argument(
+        "--placements",
+        default="shared,pinned,split",
+        help="comma-separated: shared, pinned, split (default: all three)",
+    )
+    parser.add_argument("--torch-threads", type=int, default=1, help="intra-op threads in both (default 1)")
+    parser.add_argument("--seed", type=int, default=0, help="data seed handed to the factory (default 0)")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write the numbers")
+    args = parser.parse_args(argv)
+    args.placements = [p.strip() for p in args.placements.split(",") if p.strip()]
+    unknown = set(args.placements) - {"shared", "pinned", "split"}
+    if unknown:
+        parser.error(f"unknown placement(s): {', '.join(sorted(unknown))}")
+    if any(p != "shared" for p in args.placements) and not {0, 1} <= os.sched_getaffinity(0):
+        parser.error("pinned and split need CPUs 0 and 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    width = width_for(args.params)
+    base = {
+        "width": width,
+        "layers": LAYERS,
+        "vocab": VOCAB,
+        "seq": SEQ,
+        "batch": BATCH,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "torch_threads": args.torch_threads,
+        "seed": args.seed,
+    }
+    machine = machine_facts()
+    started = time.monotonic()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="dilocod-learner-overhead-") as tmp:
+        work = Path(tmp)
+        entry_dir = work / "entry"
+        entry_dir.mkdir()
+        (entry_dir / f"{ENTRY_MODULE}.py").write_text(ENTRY_SOURCE)
+        for name in args.placements:
+            results.append(measure_placement(name, args, entry_dir, work, base))
+    machine["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    record = {
+        "command": shlex.join(["python", "bench/learner_overhead.py", *(argv or sys.argv[1:])]),
+        "settings": {
+            "model": f"byte-level GPT, {LAYERS} blocks, width {width}, 4 heads, untied head",
+            "parameters": param_count(width),
+            "parameter_tensors": 12 * LAYERS + 5,
+            "tokens_per_step": BATCH * SEQ,
+            "optimizer": "AdamW lr 1e-3",
+            "torch_threads": args.torch_threads,
+            "warmup_steps": args.warmup,
+            "measured_steps_per_run": args.steps,
+            "reps": args.reps,
+            "syncer_flags": " ".join(SYNCER_FLAGS),
+            "learner_flags": "--device cpu --insecure (streams 4, codec none, fp32, apply overwrite)",
+        },
+        "machine": machine,
+        "seconds": round(time.monotonic() - started, 1),
+        "placements": results,
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    for r in results:
+        a, d = r["alone"], r["dilocod"]
+        print(
+            f"{r['placement']:>6}: alone median {a['median_ms']:.2f} ms p90 {a['p90_ms']:.2f} ms | "
+            f"dilocod median {d['median_ms']:.2f} ms p90 {d['p90_ms']:.2f} ms | "
+            f"overhead {r['overhead_median']:+.2%} | rounds merged {d['rounds_merged']}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -301,7 +301,10 @@ def export(state_dir: Path, out: Path) -> None:
 @click.option("--steps", help="Stop after this many inner steps (default: run until stopped).")
 @click.option("--streams", help="Data connections to the syncer, or auto.  [default: auto = 4]")
 @click.option("--codec", help="Codec of pushes: auto, none, lz4 or zstd.  [default: auto = none]")
-@click.option("--precision", help="Wire precision of outer gradients.  [default: fp32]")
+@click.option(
+    "--precision",
+    help="Outer gradients on the wire: fp32, bf16, int8 or int4 (error feedback).  [default: fp32]",
+)
 @click.option(
     "--apply", help="overwrite, mix or keep-local: how merged fragments are applied.  [default: overwrite]"
 )
@@ -366,6 +369,7 @@ def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: An
             secret=secret,
             streams=4 if config.streams == "auto" else int(config.streams),
             codec="none" if config.codec == "auto" else config.codec,
+            precision=config.precision,
             chunk_bytes=config.chunk,
             join_timeout_s=config.join_timeout_s,
         ),

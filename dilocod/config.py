@@ -259,7 +259,7 @@ def load_config(cls: type[C], fields: dict[str, Parse], path: Path | None, flags
 
 
 APPLY_MODES = ("overwrite", "mix", "keep-local")
-PRECISIONS = ("fp32",)
+PRECISIONS = ("fp32", "bf16", "int8", "int4")
 
 
 def _auto_or(parse: Parse) -> Parse:

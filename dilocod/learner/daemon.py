@@ -118,7 +118,13 @@ def _run(setup: LearnerSetup, device: torch.device, island: Island | None) -> No
             network.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        log.info("learner stopped", step=loop.step_index, pushes=link.stats.pushes_sent)
+        log.info(
+            "learner stopped",
+            step=loop.step_index,
+            pushes=link.stats.pushes_sent,
+            sent_bytes=link.stats.bytes_sent,
+            received_bytes=link.stats.bytes_received,
+        )
 
 
 class _NetworkThread:

@@ -23,6 +23,7 @@ import torch
 
 from dilocod.learner.bridge import Adopt, Bridge, Snapshot
 from dilocod.learner.layout import PlanMismatch, check_plan
+from dilocod.precision import encode
 from dilocod.transport.endpoints import connect
 from dilocod.transport.errors import HandshakeFailed, SessionClosed, TransferFailed
 from dilocod.transport.options import TransportOptions
@@ -55,6 +56,8 @@ class LinkConfig:
     secret: bytes | None
     streams: int = 4
     codec: str = "none"
+    #: Wire precision of outer gradients (dilocod.precision): fp32, bf16, int8 or int4.
+    precision: str = "fp32"
     chunk_bytes: int = 1 << 20
     join_timeout_s: float = 60.0
     backoff_min_s: float = 0.5
@@ -75,9 +78,14 @@ class LinkStats:
 
 
 def compute_push(
-    snapshot: Snapshot, manifest: tuple[TensorEntry, ...], chunk_bytes: int
-) -> tuple[bytearray, list[int]]:
-    """δ = anchor - θ in wire layout (float32), and its chunk checksums. Runs in a worker thread."""
+    snapshot: Snapshot,
+    manifest: tuple[TensorEntry, ...],
+    chunk_bytes: int,
+    precision: str = "fp32",
+    residual: list[torch.Tensor] | None = None,
+) -> tuple[tuple[TensorEntry, ...], bytearray, list[int]]:
+    """δ = anchor - θ (float32), laid out at the wire precision (lossy ones with error feedback
+    through residual), and its chunk checksums. Runs in the push worker thread."""
     if snapshot.ready is not None:
         snapshot.ready()
     out = bytearray(len(snapshot.theta))
@@ -88,7 +96,11 @@ def compute_push(
             torch.frombuffer(snapshot.theta, dtype=torch.float32),
             out=delta,
         )
-    return out, chunk_checksums(out, chunk_bytes)
+    if precision != "fp32":
+        raw = torch.frombuffer(out, dtype=torch.uint8) if out else torch.empty(0, dtype=torch.uint8)
+        deltas = [raw[e.offset : e.offset + e.nbytes].view(torch.float32).view(e.shape) for e in manifest]
+        manifest, out = encode(deltas, [e.name for e in manifest], precision, residual)
+    return manifest, out, chunk_checksums(out, chunk_bytes)
 
 
 class Link:
@@ -106,6 +118,8 @@ class Link:
         self._pushes: set[asyncio.Task[None]] = set()
         self._pushed_at: dict[int, float] = {}
         self._healing: set[int] = set()
+        #: Error-feedback residuals of the lossy precisions, per fragment (push worker only).
+        self._residuals: dict[int, list[torch.Tensor]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -199,6 +213,7 @@ class Link:
         self.incarnation = self.stats.incarnation = plan.incarnation
         self.bridge.post_plan(plan)
         self._healing = set(range(len(plan.fragments)))
+        self._residuals.clear()  # a new plan may cut the model differently
 
     def _on_item(self, item: object) -> None:
         if isinstance(item, FragmentRequest):
@@ -237,10 +252,17 @@ class Link:
     async def _push(self, session: Session, snapshot: Snapshot) -> None:
         if snapshot.fragment >= len(self._manifests):
             return
-        manifest = self._manifests[snapshot.fragment]
+        layout = self._manifests[snapshot.fragment]
+        residual = None
+        if self.config.precision != "fp32":
+            residual = self._residuals.setdefault(
+                snapshot.fragment, [torch.zeros(e.shape, dtype=torch.float32) for e in layout]
+            )
         loop = asyncio.get_running_loop()
-        work = partial(compute_push, snapshot, manifest, self.config.chunk_bytes)
-        data, checksums = await loop.run_in_executor(self._executor, work)
+        work = partial(
+            compute_push, snapshot, layout, self.config.chunk_bytes, self.config.precision, residual
+        )
+        manifest, data, checksums = await loop.run_in_executor(self._executor, work)
         header = PushHeader(
             manifest,
             len(data),

@@ -12,7 +12,8 @@ nothing here re-implements.
 
 Push life cycle. A push header is admitted or refused at once (NOT_REQUESTED, STALE_VERSION:
 refusing before the bytes arrive saves the link). Once the whole fragment has arrived and the
-service has screened it (outer.check_outer_gradient against `norm_history`), `push_complete`
+service has screened it (outer.check_outer_gradient against that fragment's `norm_history`; norms of
+fragments of different sizes are not comparable), `push_complete`
 records it. A push that completes after its round started merging is late: it is carried into the
 next round of the same fragment, with its weight, unless by then its base version is more than
 `staleness` versions behind.
@@ -21,7 +22,7 @@ next round of the same fragment, with its weight, unless by then its base versio
 from __future__ import annotations
 
 import math
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict, defaultdict, deque
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -180,7 +181,8 @@ class Rounds:
         self.clock = 0
         self.next_round = next_round
         self.learners: dict[str, LearnerRecord] = {}
-        self.norm_history: deque[float] = deque(maxlen=NORM_HISTORY)
+        #: Accepted outer-gradient norms, per fragment.
+        self.norm_history: defaultdict[int, deque[float]] = defaultdict(lambda: deque(maxlen=NORM_HISTORY))
         self.rounds_merged = 0
         self.rounds_abandoned = 0
         self.quorum_sizes: Counter[int] = Counter()
@@ -268,7 +270,7 @@ class Rounds:
             if rnd is not None:
                 rnd.refused.add(push.learner)
             return [Release(push, verdict.reason), *self.tick(now)]
-        self.norm_history.append(verdict.norm)
+        self.norm_history[push.fragment].append(verdict.norm)
         if rnd is not None and rnd.state is RoundState.OPEN:
             rnd.pushes[push.learner] = push
         else:

@@ -25,6 +25,7 @@ import structlog
 
 from dilocod.config import SyncerConfig
 from dilocod.outer.guard import Verdict
+from dilocod.precision import PRECISIONS, decode, precision_of
 from dilocod.syncer.checkpoint import SyncerState, save_checkpoint
 from dilocod.syncer.model import GlobalModel, first_mismatch
 from dilocod.syncer.rounds import Action, Merge, Push, Refusal, Release, Request, Rounds
@@ -67,8 +68,9 @@ class _Peer:
 
     learner: str
     session: Session
-    #: Fragments whose current snapshot this learner has not been sent yet.
-    pending: set[int] = field(default_factory=set)
+    #: Fragments whose current snapshot this learner has not been sent yet, oldest need first (a
+    #: newer version of a waiting fragment keeps its place, so no fragment index starves).
+    pending: dict[int, None] = field(default_factory=dict)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     healed: asyncio.Event = field(default_factory=asyncio.Event)
     #: Versions sent, per fragment.
@@ -107,8 +109,12 @@ class SyncerService:
         self.started_at = clock()
         self._specs = [model.specs[name] for name in model.order]
         self._push_buffers: dict[tuple[str, int], tuple[Push, memoryview]] = {}
+        self._push_precision: dict[tuple[str, int], str] = {}
         self._pool: dict[int, list[bytearray]] = defaultdict(list)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dilocod-merge")
+        # Screening (decode, norm) reads only push buffers: on its own thread, so a ready merge never
+        # queues behind the screens of later pushes. Merges and checkpoints share the merge thread.
+        self._screener = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dilocod-screen")
         self._tasks: asyncio.TaskGroup | None = None
         self._ticker_wake = asyncio.Event()
         self._merges: set[asyncio.Task[None]] = set()
@@ -155,6 +161,7 @@ class SyncerService:
                 await self.checkpoint()
                 await server.close("syncer shutting down")
         finally:
+            self._screener.shutdown(wait=True, cancel_futures=True)
             self._executor.shutdown(wait=True, cancel_futures=True)
 
     async def checkpoint(self) -> Path:
@@ -277,7 +284,7 @@ class SyncerService:
         )
         try:
             await session.send(self._plan())
-            peer.pending.update(range(len(self.model.fragments)))
+            peer.pending.update(dict.fromkeys(range(len(self.model.fragments))))
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._send_updates(peer), name=f"updates {learner}")
                 tasks.create_task(self._join_when_healed(peer), name=f"heal {learner}")
@@ -329,11 +336,17 @@ class SyncerService:
         if not 0 <= header.fragment < len(self.model.fragments):
             raise RemoteProtocolError(ErrorCode.NOT_REQUESTED, f"there is no fragment {header.fragment}")
         store = self.model.fragments[header.fragment]
-        if header.manifest != store.manifest or header.raw_bytes != store.raw_bytes:
-            raise RemoteProtocolError(
-                ErrorCode.BAD_MANIFEST,
-                f"push of fragment {header.fragment} does not match the plan's float32 layout",
-            )
+        if header.manifest == store.manifest and header.raw_bytes == store.raw_bytes:
+            precision = "fp32"
+        else:
+            found = precision_of(header.manifest, self._shapes(header.fragment))
+            if found is None:
+                raise RemoteProtocolError(
+                    ErrorCode.BAD_MANIFEST,
+                    f"push of fragment {header.fragment} matches the plan's layout at no precision "
+                    f"({', '.join(PRECISIONS)})",
+                )
+            precision = found
         push = Push(
             peer.learner, header.round, header.fragment, header.base_version, header.c_steps, header.c_tokens
         )
@@ -341,15 +354,20 @@ class SyncerService:
         if refusal is not None:
             log.warning("push refused", learner=peer.learner, round=header.round, why=refusal.value)
             raise RemoteProtocolError(_REFUSAL_CODES[refusal], f"round {header.round}: {refusal.value}")
-        free = self._pool[store.raw_bytes]
-        buffer = memoryview(free.pop() if free else bytearray(store.raw_bytes))
+        free = self._pool[header.raw_bytes]
+        buffer = memoryview(free.pop() if free else bytearray(header.raw_bytes))
         self._push_buffers[(peer.learner, header.round)] = (push, buffer)
+        self._push_precision[(peer.learner, header.round)] = precision
         return buffer
+
+    def _shapes(self, fragment: int) -> list[tuple[str, tuple[int, ...]]]:
+        return [(entry.name, entry.shape) for entry in self.model.fragments[fragment].manifest]
 
     def _push_failed(self, peer: _Peer, header: StreamHeader, buffer: memoryview) -> None:
         """A push transfer that was admitted failed: forget it (its buffer may still be written)."""
         if isinstance(header, PushHeader):
             held = self._push_buffers.pop((peer.learner, header.round), None)
+            self._push_precision.pop((peer.learner, header.round), None)
             if held is not None:
                 self._apply(self.rounds.push_failed(held[0], self.clock()))
 
@@ -361,12 +379,32 @@ class SyncerService:
         if held is None:
             return
         self.bytes_in += header.raw_bytes
-        self._spawn(self._screen(held[0], held[1]), f"screen {peer.learner}")
+        precision = self._push_precision.pop((peer.learner, header.round), "fp32")
+        self._spawn(self._screen(held[0], held[1], precision), f"screen {peer.learner}")
 
-    async def _screen(self, push: Push, buffer: memoryview) -> None:
-        history = list(self.rounds.norm_history)
-        screen = partial(self.model.screen, push.fragment, buffer, history, self.config.max_norm_ratio)
-        verdict: Verdict = await asyncio.get_running_loop().run_in_executor(self._executor, screen)
+    async def _screen(self, push: Push, buffer: memoryview, precision: str) -> None:
+        history = list(self.rounds.norm_history[push.fragment])
+        target = None
+        if precision != "fp32":
+            # Lossy pushes are decoded to float32 once, in the worker; the merge sees float32 only.
+            free = self._pool[self.model.fragments[push.fragment].raw_bytes]
+            target = memoryview(
+                free.pop() if free else bytearray(self.model.fragments[push.fragment].raw_bytes)
+            )
+        shapes = self._shapes(push.fragment)
+
+        def work() -> Verdict:
+            data = buffer
+            if target is not None:
+                decode(buffer, shapes, precision, self.model.deltas(push.fragment, target))
+                data = target
+            return self.model.screen(push.fragment, data, history, self.config.max_norm_ratio)
+
+        verdict: Verdict = await asyncio.get_running_loop().run_in_executor(self._screener, work)
+        key = (push.learner, push.round_index)
+        if target is not None and self._push_buffers.get(key, (None, None))[1] is buffer:
+            self._push_buffers[key] = (push, target)
+            self._give_back(buffer)
         if not verdict.accepted:
             log.warning(
                 "push rejected",
@@ -478,20 +516,23 @@ class SyncerService:
             duration_s=round(self.clock() - started, 4),
         )
         for peer in self.peers.values():
-            peer.pending.add(merge.fragment)
+            peer.pending.setdefault(merge.fragment, None)
             peer.wake.set()
         self._ticker_wake.set()
 
     def _give_back(self, buffer: memoryview) -> None:
         owner = buffer.obj
-        if isinstance(owner, bytearray):
-            self._pool[len(owner)].append(owner)
+        free = self._pool[len(owner)] if isinstance(owner, bytearray) else None
+        # Kept for reuse up to what a round of every fragment needs; a burst beyond that is freed,
+        # so the pool does not keep the memory of its worst moment for ever.
+        if free is not None and len(free) < 2 * len(self.model.fragments):
+            free.append(owner)
 
     # ------------------------------------------------------------------ updates
 
     async def _send_updates(self, peer: _Peer) -> None:
-        """Send this learner the newest snapshot of every fragment it lacks, lowest index first;
-        an update superseded while queued is skipped (only the newest version goes out)."""
+        """Send this learner the newest snapshot of every fragment it lacks, the longest waiting
+        first; an update superseded while queued goes out once, at its newest version."""
         failures: dict[int, int] = defaultdict(int)
         while True:
             if not peer.pending:
@@ -499,8 +540,8 @@ class SyncerService:
                 peer.wake.clear()
                 await peer.wake.wait()
                 continue
-            index = min(peer.pending)
-            peer.pending.discard(index)
+            index = next(iter(peer.pending))
+            del peer.pending[index]
             store = self.model.fragments[index]
             snapshot = self.model.acquire(index)
             try:
@@ -522,7 +563,7 @@ class SyncerService:
                 failures[index] += 1
                 log.warning("update failed", learner=peer.learner, fragment=index, error=str(exc))
                 if failures[index] < UPDATE_ATTEMPTS:
-                    peer.pending.add(index)
+                    peer.pending.setdefault(index, None)
             finally:
                 self.model.release(index, snapshot)
 

@@ -183,10 +183,15 @@ def start_syncer(
 
 
 LEARNER_ENTRY_SOURCE = """
+import os
+import time
+
 import torch
 import dilocod
 
 TEACHER_SEED = 0
+# Simulated compute per step, so that rounds keep pace with training as they would on a real model.
+STEP_S = float(os.environ.get("LEARNER_TEST_STEP_S", "0"))
 
 
 def batch(generator, size=32):
@@ -221,6 +226,8 @@ def make_trainer(ctx):
         loss.backward()
         optimizer.step()
         cursor["batches"] += 1
+        if STEP_S:
+            time.sleep(STEP_S)
         return dilocod.StepResult(tokens=32, loss=float(loss))
 
     return dilocod.Trainer(
@@ -276,7 +283,9 @@ def _child_env(entry_dir: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(entry_dir), os.environ.get("PYTHONPATH", "")])}
 
 
-def start_learner(work: Path, entry_dir: Path, port: int, learner_id: str, *args: str) -> DaemonProcess:
+def start_learner(
+    work: Path, entry_dir: Path, port: int, learner_id: str, *args: str, step_s: float = 0.0
+) -> DaemonProcess:
     """Start `dilocod learner` (no ready line: the tests wait on its log records)."""
     stderr_path = (
         work / f"learner-{learner_id}-{len(list(work.glob(f'learner-{learner_id}-*.stderr')))}.stderr"

@@ -299,7 +299,8 @@ def test_request_snapshots_the_fragment_at_the_step_boundary() -> None:
 
     # The push the network computes from it: δ = anchor - θ, and a checksum per chunk.
     chunk_bytes = 64
-    delta, checksums = compute_push(snap, r.manifest(1), chunk_bytes)
+    manifest, delta, checksums = compute_push(snap, r.manifest(1), chunk_bytes)
+    assert manifest == r.manifest(1)  # fp32: the fragment's own layout
     want = pack(names, {n: values[n] - now[n] for n in names})
     assert bytes(delta) == bytes(want)
     assert any(want) and len(want) > 2 * chunk_bytes

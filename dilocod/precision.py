@@ -1,0 +1,128 @@
+"""How an outer gradient travels at each wire precision: its manifest layout, and encoding (with
+error feedback) and decoding. Shared by the learner (encodes) and the syncer (decodes); both derive
+the layout from the same parameter shapes, so a push's manifest tells the syncer its precision.
+
+- fp32: one float32 tensor per parameter (lossless; what the merge works in).
+- bf16: one bfloat16 tensor per parameter (half the bytes).
+- int8 / int4: per parameter, block-scaled symmetric integer codes (dilocod.outer.quantize, blocks
+  of BLOCK_SIZE values) as `name` (int8 codes, or uint8 bytes of two 4-bit codes) followed by its
+  float32 scales as `name#scales`: 1.0625 and 0.5625 bytes per parameter.
+Lossy precisions carry error feedback: what one round lost is added to the next outer gradient of
+the same fragment, so the errors cancel over rounds instead of accumulating.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from dilocod.outer.quantize import QuantizedTensor, dequantize, quantize_with_feedback_
+from dilocod.wire.manifest import TensorEntry, pack_manifest
+
+PRECISIONS = ("fp32", "bf16", "int8", "int4")
+BLOCK_SIZE = 64
+SCALES_SUFFIX = "#scales"
+_BITS = {"int8": 8, "int4": 4}
+
+
+def push_layout(
+    shapes: Sequence[tuple[str, tuple[int, ...]]], precision: str
+) -> tuple[tuple[TensorEntry, ...], int]:
+    """The manifest and byte size of a push of these parameters at this precision."""
+    tensors: list[tuple[str, str, Sequence[int]]] = []
+    for name, shape in shapes:
+        if precision == "fp32":
+            tensors.append((name, "float32", shape))
+        elif precision == "bf16":
+            tensors.append((name, "bfloat16", shape))
+        elif precision in _BITS:
+            blocks = -(-math.prod(shape) // BLOCK_SIZE)
+            codes = blocks * BLOCK_SIZE
+            if precision == "int8":
+                tensors.append((name, "int8", [codes]))
+            else:
+                tensors.append((name, "uint8", [-(-codes // 2)]))
+            tensors.append((name + SCALES_SUFFIX, "float32", [blocks]))
+        else:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    manifest, raw_bytes = pack_manifest(tensors)
+    return tuple(manifest), raw_bytes
+
+
+def precision_of(
+    manifest: Sequence[TensorEntry], shapes: Sequence[tuple[str, tuple[int, ...]]]
+) -> str | None:
+    """Which precision's layout this manifest is (None: none of them)."""
+    for precision in PRECISIONS:
+        if tuple(manifest) == push_layout(shapes, precision)[0]:
+            return precision
+    return None
+
+
+def _views(buffer: bytearray | memoryview, manifest: Sequence[TensorEntry]) -> list[Tensor]:
+    raw = torch.frombuffer(buffer, dtype=torch.uint8) if len(buffer) else torch.empty(0, dtype=torch.uint8)
+    dtypes = {
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "int8": torch.int8,
+        "uint8": torch.uint8,
+    }
+    return [raw[e.offset : e.offset + e.nbytes].view(dtypes[e.dtype]).view(e.shape) for e in manifest]
+
+
+def encode(
+    deltas: Sequence[Tensor],
+    names: Sequence[str],
+    precision: str,
+    residual: Sequence[Tensor] | None = None,
+) -> tuple[tuple[TensorEntry, ...], bytearray]:
+    """deltas (float32, one per parameter) laid out at precision. residual (float32 tensors like
+    the deltas, zeros at first) is used and updated for the lossy precisions."""
+    shapes = [(n, tuple(d.shape)) for n, d in zip(names, deltas, strict=True)]
+    manifest, raw_bytes = push_layout(shapes, precision)
+    out = bytearray(raw_bytes)
+    views = _views(out, manifest)
+    with torch.no_grad():
+        if precision == "fp32":
+            for view, delta in zip(views, deltas, strict=True):
+                view.copy_(delta)
+        elif precision == "bf16":
+            for i, (view, delta) in enumerate(zip(views, deltas, strict=True)):
+                if residual is None:
+                    view.copy_(delta)
+                    continue
+                residual[i].add_(delta)
+                view.copy_(residual[i])
+                residual[i].sub_(view.to(torch.float32))
+        else:
+            if residual is None:
+                residual = [torch.zeros_like(d, dtype=torch.float32) for d in deltas]
+            for i, q in enumerate(quantize_with_feedback_(deltas, residual, _BITS[precision], BLOCK_SIZE)):
+                views[2 * i].copy_(q.data.reshape(-1))
+                views[2 * i + 1].copy_(q.scales)
+    return manifest, out
+
+
+def decode(
+    buffer: bytearray | memoryview,
+    shapes: Sequence[tuple[str, tuple[int, ...]]],
+    precision: str,
+    out: Sequence[Tensor],
+) -> None:
+    """A push at precision into float32 tensors `out` (one per parameter, of its shape)."""
+    manifest, raw_bytes = push_layout(shapes, precision)
+    if len(buffer) != raw_bytes:
+        raise ValueError(f"a {precision} push of these parameters holds {raw_bytes} bytes, not {len(buffer)}")
+    views = _views(buffer, manifest)
+    with torch.no_grad():
+        if precision in ("fp32", "bf16"):
+            for target, view in zip(out, views, strict=True):
+                target.copy_(view)
+            return
+        bits = _BITS[precision]
+        for i, ((_, shape), target) in enumerate(zip(shapes, out, strict=True)):
+            q = QuantizedTensor(bits, BLOCK_SIZE, shape, views[2 * i], views[2 * i + 1])
+            dequantize(q, out=target)

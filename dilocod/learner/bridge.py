@@ -146,15 +146,24 @@ class Bridge:
             if self._plan is None and not self._updates and not self._requests and self._fatal is None:
                 self._posted.wait(timeout_s)
 
-    def send_snapshot(self, snapshot: Snapshot) -> None:
+    def send_snapshot(self, snapshot: Snapshot, *, wake: bool = True) -> None:
         with self._lock:
             self._snapshots[snapshot.fragment] = snapshot
-        self._wake()
+        if wake:
+            self._wake()
 
-    def report_step(self, item: StepReportItem) -> None:
+    def report_step(self, item: StepReportItem, *, wake: bool = True) -> None:
         with self._lock:
             self._steps.append(item)
-        self._wake()
+        if wake:
+            self._wake()
+
+    def flush(self) -> None:
+        """Wake the network for whatever was queued with wake=False (once)."""
+        with self._lock:
+            queued = bool(self._snapshots or self._steps)
+        if queued:
+            self._wake()
 
     def _wake(self) -> None:
         with self._lock:

@@ -230,6 +230,10 @@ class TrainingLoop:
             self._apply(adopt)
         for request in inbox.requests:
             self._snapshot(request.fragment, request.round)
+        # One wake of the network thread per step, after the boundary's own work: woken earlier
+        # (by the step report), it runs Python while this boundary's torch calls wait for the GIL.
+        if self.leader:
+            self.bridge.flush()
 
     def one_step(self) -> None:
         started = time.monotonic()
@@ -244,7 +248,7 @@ class TrainingLoop:
         self.progress.tokens += tokens
         self.progress.last_loss = result.loss
         if self.leader:
-            self.bridge.report_step(StepReportItem(self.step_index, tokens, elapsed))
+            self.bridge.report_step(StepReportItem(self.step_index, tokens, elapsed), wake=False)
 
     def _apply(self, adopt: Adopt) -> None:
         if adopt.fragment >= len(self.layouts):
@@ -284,7 +288,7 @@ class TrainingLoop:
                 self.anchors[fragment],
                 ready,
             )
-            self.bridge.send_snapshot(snapshot)
+            self.bridge.send_snapshot(snapshot, wake=False)
             if self.config.apply == "keep-local":
                 self.sent[fragment] = theta
         elif self.config.apply == "keep-local":

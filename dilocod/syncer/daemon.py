@@ -24,10 +24,11 @@ import structlog
 from dilocod.config import SyncerConfig
 from dilocod.contract import LearnerContext
 from dilocod.learner.entry import EntryError, load_trainer
+from dilocod.learner.layout import PlanMismatch, model_entries
 from dilocod.ops.notify import watchdog_loop
 from dilocod.outer import plan_fragments
 from dilocod.syncer.checkpoint import CheckpointError, load_latest_checkpoint
-from dilocod.syncer.model import GlobalModel, ModelMismatch, specs_of
+from dilocod.syncer.model import GlobalModel, ModelMismatch
 from dilocod.syncer.rounds import RoundConfig, Rounds
 from dilocod.syncer.service import SyncerService
 
@@ -74,7 +75,10 @@ def prepare(config: SyncerConfig, secret: bytes | None) -> Prepared:
         trainer = load_trainer(config.entry, context)
     except EntryError as exc:
         raise SetupError(str(exc)) from exc.__cause__
-    specs = specs_of(trainer.model)
+    try:
+        specs = list(model_entries(trainer.model))
+    except PlanMismatch as exc:
+        raise SetupError(f"--entry {config.entry}: {exc}") from None
     plan = plan_fragments([(s.name, s.shape) for s in specs], config.fragments)
     model = GlobalModel(plan, specs, chunk_bytes=config.chunk, embedding_pattern=config.embedding_pattern)
     meta: dict[str, Any] = {"fragments": plan.num_fragments, "parameters": len(specs)}

@@ -29,14 +29,6 @@ from dilocod.outer.guard import Verdict, check_outer_gradient
 from dilocod.wire.codecs import chunk_checksums
 from dilocod.wire.manifest import ModelEntry, TensorEntry, pack_manifest
 
-#: torch dtype -> wire dtype name (wire.manifest.DTYPE_SIZES).
-WIRE_DTYPES: dict[torch.dtype, str] = {
-    torch.float32: "float32",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.float64: "float64",
-}
-
 
 class ModelMismatch(ValueError):
     """A learner's (or a checkpoint's) parameters differ from the syncer's plan; names the first."""
@@ -251,23 +243,6 @@ class GlobalModel:
         store.version = version
         self.copy_out(index, target)
         return Snapshot(version, target, chunk_checksums(target, self.chunk_bytes))
-
-
-def specs_of(model: torch.nn.Module) -> list[ModelEntry]:
-    """(name, dtype, shape) of a module's parameters, tied Parameters once (outer.module_sizes)."""
-    seen: set[int] = set()
-    specs: list[ModelEntry] = []
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        if id(parameter) in seen:
-            continue
-        seen.add(id(parameter))
-        dtype = WIRE_DTYPES.get(parameter.dtype)
-        if dtype is None:
-            raise ModelMismatch(
-                f"parameter {name!r} has dtype {parameter.dtype}: only float parameters are trained"
-            )
-        specs.append(ModelEntry(name, dtype, tuple(parameter.shape)))
-    return specs
 
 
 def first_mismatch(ours: Sequence[ModelEntry], theirs: Sequence[ModelEntry]) -> str | None:

@@ -300,3 +300,25 @@ def start_learner(
     learner = DaemonProcess(process, {"id": learner_id}, stderr_path)
     threading.Thread(target=learner.follow, args=(process.stderr,), daemon=True).start()
     return learner
+
+
+def dilocod_cli(*args: str, timeout_s: float = 60.0, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run one short `dilocod` command (status, export) and return what it printed."""
+    return subprocess.run(
+        [sys.executable, "-m", "dilocod", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=check,
+    )
+
+
+def syncer_status(port: int) -> dict[str, Any]:
+    """`dilocod status --json` of the syncer on this loopback port."""
+    done = dilocod_cli("status", "--syncer", f"127.0.0.1:{port}", "--insecure", "--json")
+    return json.loads(done.stdout)
+
+
+def export_global_model(state_dir: Path, out: Path) -> Path:
+    dilocod_cli("export", "--state-dir", str(state_dir), "--out", str(out))
+    return out

@@ -6,7 +6,6 @@ Every wait is on a log record or a process exit, with a deadline."""
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import socket
 import subprocess
@@ -17,7 +16,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from .syncer_process import LEARNER_ENTRY, start_learner, start_syncer, write_learner_entry
+from .syncer_process import (
+    LEARNER_ENTRY,
+    export_global_model,
+    start_learner,
+    start_syncer,
+    syncer_status,
+    write_learner_entry,
+)
 
 DEADLINE_S = 180.0
 # The outer momentum is halved from the DiLoCo default: with H = 6 and K = 1 a round merges one
@@ -37,6 +43,15 @@ def _entry(entry_dir: Path):  # the test's own entry module
         return importlib.import_module("learner_test_entry")
     finally:
         sys.path.remove(str(entry_dir))
+
+
+def _losses(entry_dir: Path, syncer_state: Path, out: Path) -> tuple[float, float]:
+    """Eval loss of the entry's initial model and of the syncer's exported global model."""
+    entry = _entry(entry_dir)
+    model = entry.make_model()
+    initial = entry.eval_loss(model)
+    model.load_state_dict(load_file(str(export_global_model(syncer_state, out))))
+    return initial, entry.eval_loss(model)
 
 
 def _free_port() -> int:
@@ -67,23 +82,7 @@ def test_two_learners_train_the_global_model(tmp_path: Path, entry_dir: Path) ->
     try:
         for learner in learners:
             assert learner.process.wait(timeout=DEADLINE_S) == 0, learner.stderr()
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "dilocod",
-                "status",
-                "--syncer",
-                f"127.0.0.1:{syncer.port}",
-                "--insecure",
-                "--json",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        )
-        status = json.loads(done.stdout)
+        status = syncer_status(syncer.port)
         contributions = {learner["id"]: learner["contributions"] for learner in status["learners"]}
         assert contributions.keys() == {"m0", "m1"} and min(contributions.values()) >= 1, contributions
         assert sum(learner["weight_share"] for learner in status["learners"]) == pytest.approx(1.0)
@@ -100,26 +99,7 @@ def test_two_learners_train_the_global_model(tmp_path: Path, entry_dir: Path) ->
         assert healed["fragments"] == 3
         assert (tmp_path / learner.info["id"] / "learner-state.pt").exists()
     # The syncer's global model, exported, predicts far better than the initial one.
-    out = tmp_path / "global.safetensors"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dilocod",
-            "export",
-            "--state-dir",
-            str(tmp_path / "syncer"),
-            "--out",
-            str(out),
-        ],
-        check=True,
-        timeout=60,
-    )
-    entry = _entry(entry_dir)
-    model = entry.make_model()
-    initial = entry.eval_loss(model)
-    model.load_state_dict({k: v.to(torch.float32) for k, v in load_file(str(out)).items()})
-    trained = entry.eval_loss(model)
+    initial, trained = _losses(entry_dir, tmp_path / "syncer", tmp_path / "global.safetensors")
     assert trained < 0.5 * initial, (initial, trained)
 
 
@@ -283,24 +263,7 @@ def test_int4_outer_gradients_travel_and_train(tmp_path: Path, entry_dir: Path) 
         ]
         for learner in learners:
             assert learner.process.wait(timeout=DEADLINE_S) == 0, learner.stderr()
-        status = json.loads(
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "dilocod",
-                    "status",
-                    "--syncer",
-                    f"127.0.0.1:{syncer.port}",
-                    "--insecure",
-                    "--json",
-                ],
-                capture_output=True,
-                text=True,
-                timeout=60,
-                check=True,
-            ).stdout
-        )
+        status = syncer_status(syncer.port)
     finally:
         assert syncer.stop() == 0, syncer.stderr()
     merged = syncer.log_events("round merged")
@@ -314,23 +277,5 @@ def test_int4_outer_gradients_travel_and_train(tmp_path: Path, entry_dir: Path) 
         assert stopped["pushes"] > 0
         assert stopped["sent_bytes"] / stopped["pushes"] < 0.35 * fp32_per_push
     assert status["rounds_merged"] == len(merged)
-    out = tmp_path / "global.safetensors"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dilocod",
-            "export",
-            "--state-dir",
-            str(tmp_path / "syncer"),
-            "--out",
-            str(out),
-        ],
-        check=True,
-        timeout=60,
-    )
-    entry = _entry(entry_dir)
-    model = entry.make_model()
-    initial = entry.eval_loss(model)
-    model.load_state_dict(load_file(str(out)))
-    assert entry.eval_loss(model) < 0.5 * initial
+    initial, trained = _losses(entry_dir, tmp_path / "syncer", tmp_path / "global.safetensors")
+    assert trained < 0.5 * initial, (initial, trained)

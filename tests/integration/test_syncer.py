@@ -33,7 +33,14 @@ from dilocod.wire.manifest import ModelEntry, pack_manifest
 from dilocod.wire.messages import Join, Plan, PushHeader, StatusRequest, StatusResponse
 
 from .learner_script import ScriptedLearner
-from .syncer_process import entry_model, start_syncer, write_entry
+from .syncer_process import (
+    dilocod_cli,
+    entry_model,
+    export_global_model,
+    start_syncer,
+    syncer_status,
+    write_entry,
+)
 
 DEADLINE_S = 120.0
 
@@ -209,23 +216,7 @@ def test_status_command_reads_a_running_syncer(tmp_path: Path, entry_dir: Path) 
 
     try:
         run(main())
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "dilocod",
-                "status",
-                "--syncer",
-                f"127.0.0.1:{syncer.port}",
-                "--insecure",
-                "--json",
-            ],
-            capture_output=True,
-            timeout=60,
-            check=False,
-        )
-        assert done.returncode == 0, done.stderr.decode()
-        status = json.loads(done.stdout)
+        status = syncer_status(syncer.port)
         assert [f["index"] for f in status["fragments"]] == [0, 1, 2]
         assert status["rounds_merged"] >= 1 and sum(f["version"] for f in status["fragments"]) >= 1
         (solo,) = status["learners"]
@@ -237,14 +228,7 @@ def test_status_command_reads_a_running_syncer(tmp_path: Path, entry_dir: Path) 
         port = syncer.wait_for("metrics", lambda record: True, DEADLINE_S)["port"]
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
             text = response.read().decode()
-        table = subprocess.run(
-            [sys.executable, "-m", "dilocod", "status", "--syncer", f"127.0.0.1:{syncer.port}", "--insecure"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
-        assert table.returncode == 0, table.stderr
+        table = dilocod_cli("status", "--syncer", f"127.0.0.1:{syncer.port}", "--insecure")
         assert "fragment versions: 0:" in table.stdout
         assert re.search(r"^solo\s+no\s+[\d.]+\s+6\s+\d+\s+100\.0%$", table.stdout, re.MULTILINE), (
             table.stdout
@@ -366,24 +350,7 @@ def test_config_file_flags_win_and_bad_values_are_named(tmp_path: Path, entry_di
         assert (plan.sync_every, plan.quorum, len(plan.fragments)) == (6, 1, 2)
     finally:
         assert syncer.stop() == 0, syncer.stderr()
-    out = tmp_path / "model.safetensors"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dilocod",
-            "export",
-            "--state-dir",
-            str(tmp_path / "state"),
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr.decode()
-
+    out = export_global_model(tmp_path / "state", tmp_path / "model.safetensors")
     exported = load_file(str(out))
     assert sorted(exported) == sorted(e.name for e in entries)
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dilocod.learner.layout import model_entries
 from dilocod.outer import mean_merge, nesterov_step_, plan_fragments, rda_merge
-from dilocod.syncer.model import GlobalModel, ModelMismatch, Snapshot, first_mismatch, specs_of
+from dilocod.syncer.model import GlobalModel, ModelMismatch, Snapshot, first_mismatch
 from dilocod.wire.codecs import chunk_checksums
 from dilocod.wire.manifest import ModelEntry
 
@@ -29,7 +30,7 @@ class Tiny(torch.nn.Module):
 def build(fragments: int = 3) -> tuple[GlobalModel, Tiny]:
     torch.manual_seed(0)
     module = Tiny()
-    specs = specs_of(module)
+    specs = model_entries(module)
     plan = plan_fragments([(s.name, s.shape) for s in specs], fragments)
     model = GlobalModel(plan, specs, chunk_bytes=CHUNK, embedding_pattern="*embed*")
     model.load(dict(module.named_parameters()))
@@ -37,7 +38,7 @@ def build(fragments: int = 3) -> tuple[GlobalModel, Tiny]:
 
 
 def test_tied_parameters_are_one_tensor() -> None:
-    names = [s.name for s in specs_of(Tiny())]
+    names = [s.name for s in model_entries(Tiny())]
     assert names.count("embed.weight") == 1 and "head.weight" not in names
 
 

@@ -18,10 +18,8 @@ import ctypes
 import json
 import math
 import os
-import platform
 import resource
 import shlex
-import subprocess
 import sys
 import sysconfig
 import time
@@ -35,6 +33,7 @@ import lz4
 import torch
 import xxhash
 import zstandard
+from machine import machine_facts  # bench/machine.py: run as python bench/<script>.py
 from torch import nn
 from torch.nn import functional
 
@@ -337,46 +336,6 @@ def component_rates(raw: bytes, chunk_bytes: int, item_size: int, reps: int) -> 
 # --- the report --------------------------------------------------------------------------------
 
 
-def code_version() -> str:
-    """Commit of the checkout, and whether the measured codec module differs from it."""
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "diff", "--quiet", "HEAD", "--", "dilocod/wire/codecs.py"], cwd=root, check=False
-        ).returncode
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (not a git checkout)"
-    return f"{head}, dilocod/wire/codecs.py {'modified' if dirty else 'as committed'}"
-
-
-def machine_facts() -> dict[str, Any]:
-    cpu_model = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu_model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return {
-        "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "cpu": cpu_model or "unknown",
-        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "zstandard": zstandard.__version__,
-        "lz4": lz4.__version__,
-        "xxhash": xxhash.VERSION,
-        "platform": platform.platform(),
-        "dilocod": code_version(),
-    }
-
-
 def command_line(argv: Sequence[str]) -> str:
     script = Path(argv[0])
     try:
@@ -576,7 +535,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv if argv is None else argv)
     args = parse_args(argv[1:])
     started = time.perf_counter()
-    machine = machine_facts()
+    machine = machine_facts(
+        "dilocod/wire/codecs.py", zstandard=zstandard.__version__, lz4=lz4.__version__, xxhash=xxhash.VERSION
+    )
     grad, training = outer_gradient(args)
     print(
         f"outer gradient: {training.parameters:,} parameters after {training.inner_steps} steps "

@@ -47,7 +47,6 @@ import contextlib
 import json
 import math
 import os
-import platform
 import selectors
 import shlex
 import signal
@@ -60,6 +59,8 @@ from collections.abc import Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from machine import machine_facts  # bench/machine.py: run as python bench/<script>.py
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "learner_overhead.json"
@@ -443,33 +444,6 @@ def aggregate(name: str, pairs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def machine_facts() -> dict[str, Any]:
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "dilocod"], cwd=ROOT, check=False)
-        version = f"{head}, dilocod/ {'modified' if dirty.returncode else 'as committed'}"
-    except (OSError, subprocess.CalledProcessError):
-        version = "unknown (not a git checkout)"
-    import torch  # only for its version: the children do the work
-
-    return {
-        "nproc": len(os.sched_getaffinity(0)),
-        "cpu": cpu,
-        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "dilocod": version,
-    }
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Median step time of a small model trained alone against the same step under "
@@ -518,7 +492,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "torch_threads": args.torch_threads,
         "seed": args.seed,
     }
-    machine = machine_facts()
+    machine = machine_facts("dilocod")
     started = time.monotonic()
     results = []
     with tempfile.TemporaryDirectory(prefix="dilocod-learner-overhead-") as tmp:

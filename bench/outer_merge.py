@@ -29,9 +29,7 @@ import argparse
 import json
 import math
 import os
-import platform
 import shlex
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from machine import machine_facts  # bench/machine.py: run as python bench/<script>.py
 
 from dilocod.outer import (
     dequantize,
@@ -191,34 +190,6 @@ def quantization_rows(numel: int, seed: int) -> list[dict[str, Any]]:
     return rows
 
 
-def machine_facts() -> dict[str, Any]:
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "diff", "--quiet", "HEAD", "--", "dilocod/outer"], cwd=root, check=False
-        )
-        version = f"{head}, dilocod/outer {'modified' if dirty.returncode else 'as committed'}"
-    except (OSError, subprocess.CalledProcessError):
-        version = "unknown (not a git checkout)"
-    return {
-        "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "cpu": cpu,
-        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "dilocod": version,
-    }
-
-
 def command_line(argv: Sequence[str]) -> str:
     return shlex.join(["python", "bench/outer_merge.py", *argv[1:]])
 
@@ -280,7 +251,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv if argv is None else argv)
     args = parse_args(argv[1:])
-    machine = machine_facts()
+    machine = machine_facts("dilocod/outer")
     results = []
     for threads in args.thread_counts:
         result = measure(args, threads)

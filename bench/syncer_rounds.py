@@ -53,7 +53,6 @@ import contextlib
 import json
 import math
 import os
-import platform
 import selectors
 import shlex
 import shutil
@@ -71,6 +70,7 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
+from machine import machine_facts  # bench/machine.py: run as python bench/<script>.py
 
 from dilocod.transport.endpoints import connect
 from dilocod.transport.errors import SessionClosed, TransferFailed
@@ -729,38 +729,6 @@ def measure(m: int, phase: Phase, args: argparse.Namespace) -> dict[str, Any]:
 # ---------------------------------------------------------------------------- report
 
 
-def machine_facts() -> dict[str, Any]:
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "dilocod"], cwd=ROOT, check=False)
-        version = f"{head}, dilocod/ {'modified' if dirty.returncode else 'as committed'}"
-    except (OSError, subprocess.CalledProcessError):
-        version = "unknown (not a git checkout)"
-    try:
-        import uvloop
-
-        loop = f"uvloop {uvloop.__version__}"
-    except ImportError:
-        loop = "asyncio"
-    return {
-        "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "cpu": cpu,
-        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "loop": loop,
-        "dilocod": version,
-    }
-
-
 def fmt_ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.0f}"
 
@@ -858,7 +826,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv if argv is None else argv)
     args = parse_args(argv[1:])
-    machine = machine_facts()
+    machine = machine_facts("dilocod")
     width = model_width(args.params)
     params = LAYERS * (width * width + width)
     print(f"model: {LAYERS} x Linear({width}, {width}) = {params:,} parameters, {2 * LAYERS} tensors")

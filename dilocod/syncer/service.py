@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Coroutine
@@ -111,10 +113,14 @@ class SyncerService:
         self._push_buffers: dict[tuple[str, int], tuple[Push, memoryview]] = {}
         self._push_precision: dict[tuple[str, int], str] = {}
         self._pool: dict[int, list[bytearray]] = defaultdict(list)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dilocod-merge")
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="dilocod-merge", initializer=_yield_to_the_loop
+        )
         # Screening (decode, norm) reads only push buffers: on its own thread, so a ready merge never
         # queues behind the screens of later pushes. Merges and checkpoints share the merge thread.
-        self._screener = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dilocod-screen")
+        self._screener = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="dilocod-screen", initializer=_yield_to_the_loop
+        )
         self._tasks: asyncio.TaskGroup | None = None
         self._ticker_wake = asyncio.Event()
         self._merges: set[asyncio.Task[None]] = set()
@@ -607,6 +613,20 @@ class SyncerService:
             "loop_lag_ms": _quantiles(self._lag_ms),
             "last_checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
         }
+
+
+#: How much lower the worker threads' CPU priority is than the event loop's (Linux nice steps).
+WORKER_NICENESS = 10
+
+
+def _yield_to_the_loop() -> None:
+    """Run in each worker thread at start: a lower CPU priority for merges and screens, so when the
+    cores are busy the event loop (every session's I/O and deadlines) is scheduled first. Linux
+    applies nice values per thread; elsewhere, or if refused, the priority simply stays."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(
+            os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + WORKER_NICENESS
+        )
 
 
 def _quantiles(samples: deque[float]) -> dict[str, float]:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Coroutine
@@ -26,6 +24,7 @@ from typing import Any
 import structlog
 
 from dilocod.config import SyncerConfig
+from dilocod.ops.priority import lower_this_thread
 from dilocod.outer.guard import Verdict
 from dilocod.precision import PRECISIONS, decode, precision_of
 from dilocod.syncer.checkpoint import SyncerState, save_checkpoint
@@ -114,12 +113,13 @@ class SyncerService:
         self._push_precision: dict[tuple[str, int], str] = {}
         self._pool: dict[int, list[bytearray]] = defaultdict(list)
         self._executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="dilocod-merge", initializer=_yield_to_the_loop
+            max_workers=1, thread_name_prefix="dilocod-merge", initializer=lower_this_thread
         )
         # Screening (decode, norm) reads only push buffers: on its own thread, so a ready merge never
         # queues behind the screens of later pushes. Merges and checkpoints share the merge thread.
+        # Both run below the event loop's CPU priority: busy cores serve the sessions' I/O first.
         self._screener = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="dilocod-screen", initializer=_yield_to_the_loop
+            max_workers=1, thread_name_prefix="dilocod-screen", initializer=lower_this_thread
         )
         self._tasks: asyncio.TaskGroup | None = None
         self._ticker_wake = asyncio.Event()
@@ -613,20 +613,6 @@ class SyncerService:
             "loop_lag_ms": _quantiles(self._lag_ms),
             "last_checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
         }
-
-
-#: How much lower the worker threads' CPU priority is than the event loop's (Linux nice steps).
-WORKER_NICENESS = 10
-
-
-def _yield_to_the_loop() -> None:
-    """Run in each worker thread at start: a lower CPU priority for merges and screens, so when the
-    cores are busy the event loop (every session's I/O and deadlines) is scheduled first. Linux
-    applies nice values per thread; elsewhere, or if refused, the priority simply stays."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(
-            os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + WORKER_NICENESS
-        )
 
 
 def _quantiles(samples: deque[float]) -> dict[str, float]:

@@ -1,1 +1,2 @@
-"""Operations glue: status queries, and later logging, metrics, systemd notify and signals."""
+"""Operations: structlog setup, Prometheus metrics, systemd notify and watchdog, `dilocod status`,
+and the CPU priority of helper threads."""

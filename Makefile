@@ -18,7 +18,7 @@ $(BIN)/.installed: pyproject.toml
 venv: $(BIN)/.installed
 
 demo: venv
-	$(BIN)/dilocod bench loopback
+	$(BIN)/dilocod demo
 
 # pytest exits 5 when it collected nothing: a broken suite, not a pass.
 test: venv

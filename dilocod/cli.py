@@ -5,6 +5,7 @@ need them, so `dilocod --help` and `dilocod status` answer fast.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -28,6 +29,8 @@ from dilocod.config import (
 )
 
 CODEC_CHOICES = ("none", "lz4", "zstd")
+#: The embedded default model: a byte-level GPT on the Python standard library's sources.
+DEFAULT_ENTRY = "dilocod.examples.charlm:make_trainer"
 DEFAULT_PORT = 7070
 
 
@@ -212,7 +215,11 @@ def status(target: str, secret_file: Path | None, insecure: bool, as_json: bool,
     "--config", "config_file", type=click.Path(path_type=Path, dir_okay=False), help="TOML file; flags win."
 )
 @click.option("--listen", help="HOST:PORT learners dial.  [default: 0.0.0.0:7070]")
-@click.option("--entry", help="MODULE:FACTORY (or an installed dilocod.trainers name) that builds the model.")
+@click.option(
+    "--entry",
+    help="MODULE:FACTORY (or an installed dilocod.trainers name) that builds the model.  "
+    "[default: the embedded byte-level LM, dilocod.examples.charlm:make_trainer]",
+)
 @click.option("--state-dir", help="Directory for checkpoints (and its lock); created if missing.")
 @click.option("--fragments", help="P: fragments the model is cut into.  [default: 24]")
 @click.option("--sync-every", help="H: inner steps between two syncs of one fragment.  [default: 24]")
@@ -250,6 +257,8 @@ def syncer(config_file: Path | None, ready_json: bool, uvloop: bool, **flags: An
     from dilocod.ops.logging import configure_logging  # noqa: PLC0415
 
     config = _parsed(lambda: load_config(SyncerConfig, SYNCER_FIELDS, config_file, flags))
+    if config.entry is None:
+        config = dataclasses.replace(config, entry=DEFAULT_ENTRY)
     secret = _load_secret(config.secret_file, config.insecure, config.listen)
     configure_logging()
     from dilocod.ops.notify import Notifier  # noqa: PLC0415
@@ -294,7 +303,11 @@ def export(state_dir: Path, out: Path) -> None:
     "--config", "config_file", type=click.Path(path_type=Path, dir_okay=False), help="TOML file; flags win."
 )
 @click.option("--syncer", help="HOST:PORT of the syncer.")
-@click.option("--entry", help="MODULE:FACTORY (or an installed dilocod.trainers name) of your training.")
+@click.option(
+    "--entry",
+    help="MODULE:FACTORY (or an installed dilocod.trainers name) of your training.  "
+    "[default: the embedded byte-level LM, dilocod.examples.charlm:make_trainer]",
+)
 @click.option("--id", "id_", help="This learner's name (unique per learner; a restart reuses it).")
 @click.option("--state-dir", help="Where the local state (model, inner optimizer, data cursor) is kept.")
 @click.option("--device", help="cuda, cuda:N or cpu.  [default: cuda if available, else cpu]")
@@ -316,6 +329,7 @@ def export(state_dir: Path, out: Path) -> None:
 @click.option(
     "--join-timeout-s", help="How long to wait for the first heal before training anyway.  [default: 60]"
 )
+@click.option("--progress-every-s", help="Seconds between progress lines.  [default: 5]")
 @click.option("--seed", help="Seed handed to the factory.  [default: 0]")
 @click.option("--uvloop/--no-uvloop", default=True, show_default=True, help="Use uvloop if installed.")
 def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: Any) -> None:
@@ -331,9 +345,11 @@ def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: An
     from dilocod.ops.logging import configure_logging  # noqa: PLC0415
 
     config = _parsed(lambda: load_config(LearnerConfig, LEARNER_FIELDS, config_file, {**flags, "id": id_}))
-    for key in ("syncer", "entry", "id"):
+    for key in ("syncer", "id"):
         if getattr(config, key) is None:
             _config_error(f"--{key} is required (or set {key} in the --config file)")
+    if config.entry is None:
+        config = dataclasses.replace(config, entry=DEFAULT_ENTRY)
     secret = _load_secret(config.secret_file, config.insecure)
     if secret is None and not config.insecure:
         _config_error("--secret-file FILE (the syncer's shared secret) or --insecure is required")
@@ -361,6 +377,7 @@ def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: An
             state_dir=config.state_dir,
             save_every_s=config.save_every_s,
             join_timeout_s=config.join_timeout_s,
+            progress_every_s=config.progress_every_s,
         ),
         link=LinkConfig(
             host=config.syncer.host,
@@ -384,3 +401,50 @@ def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: An
         click.echo(f"dilocod learner: {exc}", err=True)
         _user_traceback(exc)
         sys.exit(EX_CONFIG)
+
+
+@main.command()
+@click.option(
+    "--learners", default=4, show_default=True, type=click.IntRange(1, 32), help="Learner processes."
+)
+@click.option(
+    "--minutes", default=3.0, show_default=True, type=click.FloatRange(0.1, 600), help="How long to train."
+)
+@click.option("--chaos", is_flag=True, help="Kill -9 a random learner about every 30 s and restart it.")
+@click.option(
+    "--plot", type=click.Path(path_type=Path, dir_okay=False), help="Write a loss-versus-tokens plot (PNG)."
+)
+@click.option(
+    "--state-dir", type=click.Path(path_type=Path, file_okay=False), help="Keep logs and state here."
+)
+@click.option(
+    "--entry", default=DEFAULT_ENTRY, show_default=True, help="The model (its module needs evaluate(model))."
+)
+@click.option("--chaos-every-s", default=30.0, type=click.FloatRange(1, 3600), hidden=True)
+def demo(
+    learners: int,
+    minutes: float,
+    chaos: bool,
+    plot: Path | None,
+    state_dir: Path | None,
+    entry: str,
+    chaos_every_s: float,
+) -> None:
+    """A syncer and N learners on loopback training the embedded byte-level language model on the
+    Python standard library, with live progress; prints the global model's eval loss at the end."""
+    from dilocod.demo import DemoPlan, run_demo  # noqa: PLC0415
+
+    plan = DemoPlan(
+        learners=learners,
+        minutes=minutes,
+        chaos=chaos,
+        plot=plot,
+        state_dir=state_dir,
+        entry=entry,
+        chaos_every_s=chaos_every_s,
+    )
+    try:
+        run_demo(plan, say=click.echo)
+    except RuntimeError as exc:
+        click.echo(f"dilocod demo: {exc}", err=True)
+        sys.exit(1)

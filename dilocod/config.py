@@ -184,6 +184,7 @@ class SyncerConfig:
     """`dilocod syncer`: defaults here, then a TOML file, then flags (DESIGN.md §3.6 defaults)."""
 
     listen: Address = Address("0.0.0.0", DEFAULT_PORT)
+    #: None: the embedded default model (dilocod.examples.charlm).
     entry: str | None = None
     state_dir: Path | None = None
     fragments: int = 24
@@ -299,6 +300,7 @@ class LearnerConfig:
     chunk: int = 1 << 20
     save_every_s: float = 300.0
     join_timeout_s: float = 60.0
+    progress_every_s: float = 5.0
     seed: int = 0
 
 
@@ -319,5 +321,6 @@ LEARNER_FIELDS: dict[str, Parse] = {
     "chunk": _size,
     "save_every_s": _number(0.0, low_open=True),
     "join_timeout_s": _number(0.0, low_open=True),
+    "progress_every_s": _number(0.0, low_open=True),
     "seed": _integer(0, 2**63 - 1),
 }

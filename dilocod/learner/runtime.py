@@ -337,6 +337,7 @@ class TrainingLoop:
         log.info(
             "progress",
             step=self.step_index,
+            tokens=self.progress.tokens,
             steps_per_s=round(self.progress.steps / elapsed, 2),
             tokens_per_s=round(self.progress.tokens / elapsed, 1),
             loss=None if self.progress.last_loss is None else round(self.progress.last_loss, 4),

@@ -1,0 +1,322 @@
+"""`dilocod demo`: a syncer and N learners as real processes on loopback, training the embedded
+byte-level language model (dilocod.examples.charlm) on the Python standard library's sources, with
+live progress, optional chaos (a random learner killed with -9 and restarted every ~30 s), and at
+the end the eval loss of the syncer's global model and a loss-versus-tokens plot.
+
+It only orchestrates: the daemons are the same `dilocod syncer` and `dilocod learner` a user runs,
+started as child processes; everything it shows comes from their JSON log lines and from
+`dilocod status`. Children are always stopped on the way out, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from dilocod.config import Address
+from dilocod.ops.status import fetch_status
+from dilocod.transport.loop import run
+
+DEFAULT_ENTRY = "dilocod.examples.charlm:make_trainer"
+READY_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 60.0
+SHOW_EVERY_S = 5.0
+CHAOS_EVERY_S = 30.0
+CHAOS_DOWN_S = 3.0
+
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class DemoPlan:
+    learners: int = 4
+    minutes: float = 3.0
+    chaos: bool = False
+    plot: Path | None = None
+    state_dir: Path | None = None
+    entry: str = DEFAULT_ENTRY
+    seed: int = 0
+    chaos_every_s: float = CHAOS_EVERY_S
+
+
+@dataclass
+class Child:
+    """One daemon process and what its JSON log lines told us."""
+
+    name: str
+    command: list[str]
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+    last: dict[str, Any] = field(default_factory=dict)
+    losses: list[tuple[int, float]] = field(default_factory=list)  # (tokens so far, training loss)
+    tokens_before: int = 0  # tokens of earlier incarnations of this learner (chaos restarts)
+    restarts: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start(self, env: dict[str, str]) -> None:
+        self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        assert self.process.stderr is not None
+        threading.Thread(target=self._follow, args=(self.process.stderr,), daemon=True).start()
+
+    def _follow(self, stream: IO[bytes]) -> None:
+        with self.log_path.open("ab") as copy:
+            for raw in stream:
+                copy.write(raw)
+                try:
+                    record = json.loads(raw)
+                except ValueError:
+                    continue
+                if isinstance(record, dict) and record.get("event") == "progress":
+                    with self.lock:
+                        self.last = record
+                        if record.get("loss") is not None:
+                            tokens = self.tokens_before + int(record.get("tokens", 0))
+                            self.losses.append((tokens, float(record["loss"])))
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM) -> int | None:
+        if self.process is None:
+            return None
+        if self.alive():
+            self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+
+def _read_ready(child: Child) -> dict[str, Any]:
+    assert child.process is not None and child.process.stdout is not None
+    with selectors.DefaultSelector() as selector:
+        selector.register(child.process.stdout, selectors.EVENT_READ)
+        if not selector.select(READY_TIMEOUT_S):
+            raise RuntimeError(
+                f"{child.name} did not start within {READY_TIMEOUT_S:.0f} s; see {child.log_path}"
+            )
+    line = child.process.stdout.readline()
+    if not line:
+        raise RuntimeError(f"{child.name} exited with {child.process.wait()}; see {child.log_path}")
+    return json.loads(line)
+
+
+def run_demo(plan: DemoPlan, say: Say) -> dict[str, Any]:
+    """Run the demo; returns the numbers it printed (eval loss, rounds, restarts)."""
+    with contextlib.ExitStack() as stack:
+        work = plan.state_dir or Path(
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="dilocod-demo-"))
+        )
+        work.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        python = [sys.executable, "-m", "dilocod"]
+        syncer = Child(
+            "syncer",
+            [
+                *python,
+                *("syncer", "--listen", "127.0.0.1:0", "--insecure", "--entry", plan.entry),
+                *("--state-dir", str(work / "syncer"), "--checkpoint-every-s", "30", "--ready-json"),
+            ],
+            work / "syncer.log",
+        )
+        stack.callback(_stop_all, [syncer])
+        kept = "" if plan.state_dir else " (removed at the end; --state-dir DIR keeps them)"
+        say(f"demo: {plan.learners} learners and a syncer on 127.0.0.1, {plan.minutes:g} min")
+        say(f"demo: logs in {work}{kept}")
+        syncer.start(env)
+        address = Address("127.0.0.1", int(_read_ready(syncer)["port"]))
+        learners = [
+            Child(
+                f"learner-{m}",
+                [
+                    *python,
+                    *("learner", "--syncer", str(address), "--insecure", "--entry", plan.entry),
+                    *("--id", f"learner-{m}", "--seed", str(m), "--device", "cpu"),
+                    *("--state-dir", str(work / f"learner-{m}"), "--progress-every-s", "2"),
+                    *("--save-every-s", "20"),
+                ],
+                work / f"learner-{m}.log",
+            )
+            for m in range(plan.learners)
+        ]
+        stack.callback(_stop_all, learners)  # callbacks run last-in first-out: learners, then syncer
+        for learner in learners:
+            learner.start(env)
+        result = _watch(plan, syncer, learners, address, env, say)
+        say("demo: stopping the learners, then the syncer (it writes a checkpoint)")
+        for learner in learners:
+            learner.stop()
+        if syncer.stop() != 0:
+            raise RuntimeError(f"the syncer did not stop cleanly; see {syncer.log_path}")
+        loss = _evaluate(work / "syncer", plan.entry)
+        result["eval_loss"] = loss
+        say(f"eval loss: {loss:.4f}")
+        if plan.plot is not None:
+            _plot(plan.plot, learners, loss, say)
+        return result
+
+
+def _stop_all(children: list[Child]) -> None:
+    for child in children:
+        if child.alive():
+            with contextlib.suppress(Exception):
+                child.stop()
+
+
+def _status(address: Address) -> dict[str, Any] | None:
+    try:
+        return run(fetch_status(address, secret=None, timeout_s=10.0))
+    except (OSError, ConnectionError, TimeoutError):
+        return None
+
+
+def _watch(
+    plan: DemoPlan, syncer: Child, learners: list[Child], address: Address, env: dict[str, str], say: Say
+) -> dict[str, Any]:
+    rng = random.Random(plan.seed)
+    started = time.monotonic()
+    deadline = started + plan.minutes * 60
+    next_show = started + SHOW_EVERY_S
+    next_chaos = started + plan.chaos_every_s * rng.uniform(0.7, 1.3) if plan.chaos else float("inf")
+    outages: list[dict[str, Any]] = []
+    first_merged: int | None = None
+    while time.monotonic() < deadline:
+        if not syncer.alive():
+            raise RuntimeError(f"the syncer exited; see {syncer.log_path}")
+        now = time.monotonic()
+        if now >= next_chaos:
+            outages.append(_chaos(rng, learners, address, env, say))
+            next_chaos = time.monotonic() + plan.chaos_every_s * rng.uniform(0.7, 1.3)
+        if now >= next_show:
+            status = _status(address)
+            if status is not None and first_merged is None:
+                first_merged = status["rounds_merged"]
+            _show(status, learners, now - started, say)
+            next_show = now + SHOW_EVERY_S
+        # The demo's own pacing (it only looks at the children): not a wait for an event.
+        time.sleep(0.2)
+    status = _status(address) or {}
+    never_stopped = all(o["rounds_during"] > 0 for o in outages)
+    if plan.chaos:
+        say(
+            f"chaos: {len(outages)} learners killed with -9 and restarted; rounds merged while one was down: "
+            f"{[o['rounds_during'] for o in outages]}; training "
+            + ("never stopped" if never_stopped else "STALLED during an outage")
+        )
+    return {
+        "rounds_merged": status.get("rounds_merged"),
+        "learners": plan.learners,
+        "minutes": plan.minutes,
+        "restarts": len(outages),
+        "training_never_stopped": never_stopped,
+    }
+
+
+def _chaos(
+    rng: random.Random, learners: list[Child], address: Address, env: dict[str, str], say: Say
+) -> dict[str, Any]:
+    victim = rng.choice(learners)
+    before = (_status(address) or {}).get("rounds_merged", 0)
+    say(f"chaos: kill -9 {victim.name}")
+    victim.stop(signal.SIGKILL)
+    with victim.lock:
+        victim.tokens_before += int(victim.last.get("tokens", 0))
+        victim.last = {}
+    time.sleep(CHAOS_DOWN_S)  # the outage itself: the others must go on meanwhile
+    during = (_status(address) or {}).get("rounds_merged", 0) - before
+    victim.restarts += 1
+    victim.start(env)
+    say(
+        f"chaos: {victim.name} restarted (it heals from the syncer); {during} rounds merged while it was down"
+    )
+    return {"learner": victim.name, "rounds_during": during}
+
+
+def _show(status: dict[str, Any] | None, learners: list[Child], elapsed_s: float, say: Say) -> None:
+    lines = [f"--- {elapsed_s:5.0f} s"]
+    for learner in learners:
+        with learner.lock:
+            last = dict(learner.last)
+        state = "running" if learner.alive() else "down"
+        if last:
+            loss = last.get("loss")
+            shown_loss = "-" if loss is None else f"{loss:.3f}"
+            lines.append(
+                f"{learner.name:<12} {state:<8} step {last.get('step', 0):>6}  "
+                f"{last.get('steps_per_s', 0):6.2f} steps/s  loss {shown_loss}  "
+                f"syncer {last.get('syncer', '?')}  last round {last.get('last_round_s')} s"
+            )
+        else:
+            lines.append(f"{learner.name:<12} {state:<8} starting")
+    if status is None:
+        lines.append("syncer: no answer")
+    else:
+        minutes = max(status["uptime_s"], 1e-9) / 60
+        versions = sum(f["version"] for f in status["fragments"])
+        lines.append(
+            f"syncer: {status['rounds_merged']} rounds merged ({status['rounds_merged'] / minutes:.0f}/min), "
+            f"quorum sizes {status['quorum_sizes']}, versions {versions}"
+        )
+    say("\n".join(lines))
+
+
+def _evaluate(syncer_state: Path, entry: str) -> float:
+    """The eval loss of the syncer's global model, read from its newest checkpoint."""
+    from dilocod.contract import LearnerContext  # noqa: PLC0415 - torch only at the end
+    from dilocod.learner.entry import resolve_factory  # noqa: PLC0415
+    from dilocod.learner.layout import model_entries  # noqa: PLC0415
+    from dilocod.syncer.checkpoint import load_latest_checkpoint  # noqa: PLC0415
+
+    loaded = load_latest_checkpoint(syncer_state)
+    if loaded is None:
+        raise RuntimeError(f"the syncer left no checkpoint in {syncer_state}")
+    module = sys.modules[resolve_factory(entry).__module__]
+    evaluate = getattr(module, "evaluate", None)
+    if evaluate is None:
+        raise RuntimeError(f"{entry}: its module has no evaluate(model) to score the global model")
+    trainer = resolve_factory(entry)(LearnerContext("demo", "syncer", "cpu", 0, 1, None, 0))
+    # The checkpoint names a tied parameter once; the module may list it under a second name.
+    result = trainer.model.load_state_dict(loaded.state.params, strict=False)
+    trained = {entry.name for entry in model_entries(trainer.model)}
+    if result.unexpected_keys or trained & set(result.missing_keys):
+        raise RuntimeError(f"the syncer's checkpoint does not fit {entry}'s model: {result}")
+    return float(evaluate(trainer.model))
+
+
+def _plot(path: Path, learners: list[Child], eval_loss: float, say: Say) -> None:
+    try:
+        import matplotlib  # noqa: PLC0415 - optional extra
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        say("plot: matplotlib is not installed (pip install 'dilocod[plot]'); no plot written")
+        return
+    figure, axes = plt.subplots(figsize=(8, 5))
+    total = 0
+    for learner in learners:
+        if learner.losses:
+            tokens, losses = zip(*learner.losses, strict=True)
+            axes.plot(tokens, losses, label=f"{learner.name} (training)", linewidth=1)
+            total += tokens[-1]
+    axes.axhline(eval_loss, color="black", linestyle="--", label=f"global model, eval {eval_loss:.3f}")
+    axes.set_xlabel("tokens (per learner)")
+    axes.set_ylabel("loss (nats per byte)")
+    axes.set_title("dilocod demo: Decoupled DiLoCo on the Python standard library")
+    axes.legend()
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    say(f"plot: wrote {path}")

@@ -122,7 +122,8 @@ def run_demo(plan: DemoPlan, say: Say) -> dict[str, Any]:
             stack.enter_context(tempfile.TemporaryDirectory(prefix="dilocod-demo-"))
         )
         work.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # One torch thread per daemon: N learners and a syncer already share the machine's cores.
+        env = {"OMP_NUM_THREADS": "1", **os.environ, "PYTHONUNBUFFERED": "1"}
         python = [sys.executable, "-m", "dilocod"]
         syncer = Child(
             "syncer",

@@ -1,0 +1,401 @@
+"""Convergence at equal tokens: data-parallel against (Decoupled) DiLoCo through the real daemons.
+
+Same model (dilocod.examples.charlm defaults: 221,760 parameters, context 128), same data (the
+stdlib's sources), same number of training tokens; the number compared is the eval loss
+(charlm.evaluate: nats per byte on fixed held-out windows) of the final model.
+
+- **a** data-parallel: ONE process, no dilocod, batch M x 16 on the unsharded training set
+  (TrainConfig(batch_size=16 * M, shards=1)), --steps steps: M x steps x 16 x 128 tokens.
+- Everything else runs `python -m dilocod syncer` and M x `python -m dilocod learner` as real
+  processes on loopback (OMP_NUM_THREADS=1, learner m gets --seed m and so reads shard m), each
+  learner with --steps steps (same tokens as a). The loss is that of the syncer's global model:
+  the learners finish, the syncer is sent SIGTERM (it checkpoints), and the newest checkpoint is
+  loaded into a charlm model and evaluated.
+  - **b** lock-step DiLoCo: --quorum M --overlap 0 (every round waits for all M, no overlap).
+  - **c** Decoupled DiLoCo: the syncer's defaults (P = H = 24, tau = 2, K = 1, RDA merge).
+  - **d** c with --merge mean.
+  - **e** c with learner 0 two times slower: its entry is a wrapper module (written to a temp dir,
+    put on its PYTHONPATH) that sleeps, after each step, as long as the step itself took.
+  - **f** c with learner 0 killed with SIGKILL and restarted (same --id and --state-dir) twice,
+    when it has done 1/3 and 2/3 of its steps. It saves its local state every 5 s
+    (--save-every-s 5); the steps since the last save are trained again after the restart
+    (extra compute, not counted as tokens).
+  - **g** c with every learner --apply keep-local (overwrite is c).
+  - **h** c with every learner --precision int4 (fp32 is c).
+- Extra rows (only with --only): **a2** a with data seed 1 (run-to-run spread of a), **c2** c
+  again (the spread of c: the interleaving of rounds differs run to run), **c-mom05** c with
+  --outer-momentum 0.5, **c-lr04** c with --outer-lr 0.4, **solo** one learner's batch (16) alone
+  for --steps steps, 1/M of the tokens (what the M learners would reach without any merging).
+
+Usage: python bench/convergence.py [--steps 300] [--learners 4] [--only a,c,d] [--json]
+       [--out bench/results/convergence.json]
+Writes the results as JSON to --out (merged by key into an existing file) and prints a table.
+A benchmark: it measures and records, it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from dilocod.contract import LearnerContext
+from dilocod.examples.charlm import CharLM, CharLMConfig, TrainConfig, build_trainer, evaluate, load_held_out
+from dilocod.syncer.checkpoint import load_latest_checkpoint
+
+BATCH = 16  # charlm's default per-learner batch
+CONTEXT = CharLMConfig().context
+READY_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 60.0
+RUN_TIMEOUT_S = 3600.0
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "convergence.json"
+
+SLOW_ENTRY_MODULE = "convergence_slow_entry"
+SLOW_ENTRY_SOURCE = '''
+"""charlm's entry, two times slower: after each step, sleep as long as the step took."""
+import dataclasses
+import time
+
+from dilocod.examples.charlm import make_trainer as charlm_trainer
+
+
+def make_trainer(ctx):
+    trainer = charlm_trainer(ctx)
+    if ctx.role == "syncer":
+        return trainer
+    inner = trainer.step
+
+    def step(index):
+        started = time.perf_counter()
+        result = inner(index)
+        time.sleep(time.perf_counter() - started)
+        return result
+
+    return dataclasses.replace(trainer, step=step)
+'''
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    key: str
+    label: str
+    syncer_args: tuple[str, ...] = ()
+    learner_args: tuple[str, ...] = ()
+    slow_learner: bool = False  # learner 0 runs two times slower
+    kills: int = 0  # learner 0 is killed with -9 and restarted this many times
+    data_parallel: bool = False
+    data_seed: int = 0
+    solo: bool = False  # data-parallel row with batch 16 (one learner's batch): 1/M of the tokens
+
+
+VARIANTS = {
+    v.key: v
+    for v in (
+        Variant("a", "data-parallel, 1 process, batch 16·M", data_parallel=True),
+        Variant("b", "lock-step DiLoCo (K = M, tau = 0)", syncer_args=("--quorum", "{M}", "--overlap", "0")),
+        Variant("c", "Decoupled DiLoCo (P = H = 24, tau = 2, K = 1, RDA)"),
+        Variant("d", "c with --merge mean", syncer_args=("--merge", "mean")),
+        Variant("e", "c, one learner 2x slower", slow_learner=True),
+        Variant("f", "c, one learner kill -9 + restart x2", kills=2),
+        Variant("g", "c with --apply keep-local", learner_args=("--apply", "keep-local")),
+        Variant("h", "c with --precision int4", learner_args=("--precision", "int4")),
+        Variant("a2", "a, data seed 1 (spread of a)", data_parallel=True, data_seed=1),
+        Variant("c2", "c again (spread of c)"),
+        Variant("c-mom05", "c with --outer-momentum 0.5", syncer_args=("--outer-momentum", "0.5")),
+        Variant("c-lr04", "c with --outer-lr 0.4", syncer_args=("--outer-lr", "0.4")),
+        Variant("solo", "one learner alone, batch 16 (1/M of the tokens)", data_parallel=True, solo=True),
+    )
+}
+DEFAULT_ONLY = "a,b,c,d,e,f,g,h"
+
+Say = Callable[[str], None]
+
+
+@dataclass
+class Daemon:
+    """One `dilocod` child process; stderr (JSON log lines) is copied to a file and followed."""
+
+    name: str
+    command: list[str]
+    env: dict[str, str]
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+    step: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            self.command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=self.env
+        )
+        assert self.process.stderr is not None
+        threading.Thread(target=self._follow, args=(self.process.stderr,), daemon=True).start()
+
+    def _follow(self, stream: IO[bytes]) -> None:
+        with self.log_path.open("ab") as copy:
+            for raw in stream:
+                copy.write(raw)
+                with contextlib.suppress(ValueError):
+                    record = json.loads(raw)
+                    if isinstance(record, dict) and isinstance(record.get("step"), int):
+                        with self.lock:
+                            self.step = max(self.step, record["step"])
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM) -> int | None:
+        if self.process is None:
+            return None
+        if self.alive():
+            self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+    def ready_line(self) -> dict[str, Any]:
+        assert self.process is not None and self.process.stdout is not None
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.process.stdout, selectors.EVENT_READ)
+            if not selector.select(READY_TIMEOUT_S):
+                raise RuntimeError(
+                    f"{self.name} not ready within {READY_TIMEOUT_S:.0f} s; see {self.log_path}"
+                )
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.name} exited with {self.process.wait()}; see {self.log_path}")
+        return json.loads(line)
+
+
+def global_model_loss(syncer_state: Path, held_out: torch.Tensor) -> tuple[float, int]:
+    """Eval loss of the syncer's newest checkpoint, and that checkpoint's sequence number."""
+    loaded = load_latest_checkpoint(syncer_state)
+    if loaded is None:
+        raise RuntimeError(f"the syncer left no checkpoint in {syncer_state}")
+    model = CharLM(CharLMConfig())
+    result = model.load_state_dict(loaded.state.params, strict=False)
+    # The checkpoint names the tied head once; only such a tied alias may be missing.
+    named = {name for name, _ in model.named_parameters()}
+    if result.unexpected_keys or named & set(result.missing_keys):
+        raise RuntimeError(f"the checkpoint does not fit charlm's model: {result}")
+    return evaluate(model, held_out=held_out), getattr(loaded, "sequence", -1)
+
+
+def run_data_parallel(variant: Variant, steps: int, learners: int, held_out: torch.Tensor) -> dict[str, Any]:
+    context = LearnerContext("data-parallel", "learner", "cpu", 0, 1, None, variant.data_seed)
+    batch = BATCH if variant.solo else BATCH * learners
+    trainer = build_trainer(context, None, TrainConfig(batch_size=batch, shards=1))
+    tokens = 0
+    losses: list[float] = []
+    for index in range(steps):
+        result = trainer.step(index)
+        tokens += result.tokens
+        losses.append(float(result.loss or 0.0))
+    return {
+        "eval_loss": evaluate(trainer.model, held_out=held_out),
+        "tokens": tokens,
+        "final_train_loss": sum(losses[-20:]) / len(losses[-20:]),
+    }
+
+
+def run_daemons(
+    variant: Variant, steps: int, learners: int, held_out: torch.Tensor, work: Path, say: Say
+) -> dict[str, Any]:
+    work.mkdir(parents=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    python = [sys.executable, "-m", "dilocod"]
+    syncer_args = [arg.replace("{M}", str(learners)) for arg in variant.syncer_args]
+    syncer = Daemon(
+        "syncer",
+        [
+            *python,
+            "syncer",
+            "--listen",
+            "127.0.0.1:0",
+            "--insecure",
+            "--state-dir",
+            str(work / "syncer"),
+            "--checkpoint-every-s",
+            "600",
+            "--ready-json",
+            *syncer_args,
+        ],
+        env,
+        work / "syncer.log",
+    )
+    slow_env = dict(env)
+    if variant.slow_learner:
+        (work / "entry").mkdir()
+        (work / "entry" / f"{SLOW_ENTRY_MODULE}.py").write_text(SLOW_ENTRY_SOURCE)
+        slow_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(work / "entry"), env.get("PYTHONPATH")]))
+    daemons = [syncer]
+    try:
+        syncer.start()
+        port = int(syncer.ready_line()["port"])
+        fleet: list[Daemon] = []
+        for m in range(learners):
+            slow = variant.slow_learner and m == 0
+            entry = ("--entry", f"{SLOW_ENTRY_MODULE}:make_trainer") if slow else ()
+            save = ("--save-every-s", "5") if variant.kills and m == 0 else ()
+            fleet.append(
+                Daemon(
+                    f"learner-{m}",
+                    [
+                        *python,
+                        "learner",
+                        "--syncer",
+                        f"127.0.0.1:{port}",
+                        "--insecure",
+                        "--id",
+                        f"learner-{m}",
+                        "--seed",
+                        str(m),
+                        "--device",
+                        "cpu",
+                        "--state-dir",
+                        str(work / f"learner-{m}"),
+                        "--steps",
+                        str(steps),
+                        "--progress-every-s",
+                        "2",
+                        *entry,
+                        *save,
+                        *variant.learner_args,
+                    ],
+                    slow_env if slow else env,
+                    work / f"learner-{m}.log",
+                )
+            )
+        daemons += fleet
+        started = time.monotonic()
+        for learner in fleet:
+            learner.start()
+        kills_done = 0
+        while any(learner.alive() for learner in fleet):
+            if not syncer.alive():
+                raise RuntimeError(f"the syncer exited; see {syncer.log_path}")
+            if time.monotonic() - started > RUN_TIMEOUT_S:
+                raise RuntimeError(f"{variant.key}: the learners did not finish in {RUN_TIMEOUT_S:.0f} s")
+            victim = fleet[0]
+            with victim.lock:
+                victim_step = victim.step
+            if kills_done < variant.kills and victim_step >= steps * (kills_done + 1) // (variant.kills + 1):
+                say(f"  {variant.key}: kill -9 {victim.name} at step {victim_step}")
+                victim.stop(signal.SIGKILL)
+                time.sleep(2.0)  # the outage: the others train on meanwhile
+                victim.start()
+                kills_done += 1
+            # Pacing of this watcher only (it looks at the children), not a wait for an event.
+            time.sleep(0.5)
+        codes = [learner.process.returncode for learner in fleet if learner.process is not None]
+        wall_s = time.monotonic() - started
+        if syncer.stop() != 0:
+            raise RuntimeError(f"the syncer did not stop cleanly; see {syncer.log_path}")
+        loss, _ = global_model_loss(work / "syncer", held_out)
+        return {
+            "eval_loss": loss,
+            "tokens": learners * steps * BATCH * CONTEXT,
+            "learner_exit_codes": codes,
+            "learners_wall_s": round(wall_s, 1),
+            "rounds_merged": count_rounds(syncer.log_path),
+            "kills": kills_done,
+        }
+    finally:
+        for daemon in reversed(daemons):
+            if daemon.alive():
+                with contextlib.suppress(Exception):
+                    daemon.stop()
+
+
+def count_rounds(log_path: Path) -> int | None:
+    """Merged rounds, counted from the syncer's one log line per round."""
+    count = 0
+    with log_path.open("rb") as lines:
+        for raw in lines:
+            with contextlib.suppress(ValueError):
+                record = json.loads(raw)
+                if isinstance(record, dict) and "contributors" in record:
+                    count += 1
+    return count or None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--steps", type=int, default=300, help="inner steps per learner (and of a)")
+    parser.add_argument("--learners", type=int, default=4, help="M")
+    parser.add_argument(
+        "--only",
+        default=DEFAULT_ONLY,
+        help=f"comma-separated subset of {', '.join(VARIANTS)} (default {DEFAULT_ONLY})",
+    )
+    parser.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON file the results are merged into")
+    parser.add_argument("--keep", type=Path, default=None, help="keep the daemons' logs and state here")
+    args = parser.parse_args(argv)
+    keys = [key.strip() for key in args.only.split(",") if key.strip()]
+    unknown = [key for key in keys if key not in VARIANTS]
+    if unknown or args.steps < 1 or args.learners < 1:
+        parser.error(
+            f"unknown configurations {unknown}" if unknown else "--steps and --learners must be >= 1"
+        )
+
+    def say(text: str) -> None:
+        print(text, file=sys.stderr if args.json else sys.stdout, flush=True)
+
+    torch.set_num_threads(1)
+    held_out = load_held_out()
+    tokens = args.learners * args.steps * BATCH * CONTEXT
+    say(f"convergence: M = {args.learners}, {args.steps} steps per learner, {tokens:,} tokens per run")
+    results: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:
+        root = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dilocod-conv-")))
+        for key in keys:
+            variant = VARIANTS[key]
+            started = time.monotonic()
+            if variant.data_parallel:
+                row = run_data_parallel(variant, args.steps, args.learners, held_out)
+            else:
+                row = run_daemons(variant, args.steps, args.learners, held_out, root / key, say)
+            row.update(label=variant.label, wall_s=round(time.monotonic() - started, 1))
+            results[key] = row
+            say(f"  {key:<8} {variant.label:<52} eval loss {row['eval_loss']:.4f}  ({row['wall_s']:.0f} s)")
+    document: dict[str, Any] = {}
+    if args.out.exists():
+        document = json.loads(args.out.read_text())
+    document.setdefault("runs", {}).update(results)
+    document.update(
+        learners=args.learners,
+        steps=args.steps,
+        tokens=tokens,
+        model="charlm defaults (221,760 parameters, context 128)",
+        batch_per_learner=BATCH,
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(document, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(results, indent=2))
+    base = results.get("a", document["runs"].get("a"))
+    if base is not None:
+        for key, row in results.items():
+            gap = 100 * (row["eval_loss"] / base["eval_loss"] - 1)
+            say(f"  {key:<8} {row['eval_loss']:.4f}  {gap:+.1f} % against data-parallel")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -39,7 +39,6 @@ import argparse
 import contextlib
 import json
 import os
-import selectors
 import signal
 import subprocess
 import sys
@@ -55,6 +54,7 @@ import torch
 
 from dilocod.contract import LearnerContext
 from dilocod.examples.charlm import CharLM, CharLMConfig, TrainConfig, build_trainer, evaluate, load_held_out
+from dilocod.ops.processes import read_ready_line, stop_process
 from dilocod.syncer.checkpoint import load_latest_checkpoint
 
 BATCH = 16  # charlm's default per-learner batch
@@ -158,28 +158,11 @@ class Daemon:
         return self.process is not None and self.process.poll() is None
 
     def stop(self, sig: int = signal.SIGTERM) -> int | None:
-        if self.process is None:
-            return None
-        if self.alive():
-            self.process.send_signal(sig)
-        try:
-            return self.process.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            return self.process.wait()
+        return None if self.process is None else stop_process(self.process, sig, STOP_TIMEOUT_S)
 
     def ready_line(self) -> dict[str, Any]:
-        assert self.process is not None and self.process.stdout is not None
-        with selectors.DefaultSelector() as selector:
-            selector.register(self.process.stdout, selectors.EVENT_READ)
-            if not selector.select(READY_TIMEOUT_S):
-                raise RuntimeError(
-                    f"{self.name} not ready within {READY_TIMEOUT_S:.0f} s; see {self.log_path}"
-                )
-        line = self.process.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{self.name} exited with {self.process.wait()}; see {self.log_path}")
-        return json.loads(line)
+        assert self.process is not None
+        return read_ready_line(self.process, f"{self.name} (see {self.log_path})", READY_TIMEOUT_S)
 
 
 def global_model_loss(syncer_state: Path, held_out: torch.Tensor) -> tuple[float, int]:

@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import random
-import selectors
 import signal
 import subprocess
 import sys
@@ -27,12 +26,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from dilocod.config import Address
+from dilocod.ops.processes import read_ready_line, stop_process
 from dilocod.ops.status import fetch_status
 from dilocod.transport.loop import run
 
 DEFAULT_ENTRY = "dilocod.examples.charlm:make_trainer"
-READY_TIMEOUT_S = 120.0
-STOP_TIMEOUT_S = 60.0
 SHOW_EVERY_S = 5.0
 CHAOS_EVERY_S = 30.0
 CHAOS_DOWN_S = 3.0
@@ -90,29 +88,12 @@ class Child:
         return self.process is not None and self.process.poll() is None
 
     def stop(self, sig: int = signal.SIGTERM) -> int | None:
-        if self.process is None:
-            return None
-        if self.alive():
-            self.process.send_signal(sig)
-        try:
-            return self.process.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            return self.process.wait()
+        return None if self.process is None else stop_process(self.process, sig)
 
 
 def _read_ready(child: Child) -> dict[str, Any]:
-    assert child.process is not None and child.process.stdout is not None
-    with selectors.DefaultSelector() as selector:
-        selector.register(child.process.stdout, selectors.EVENT_READ)
-        if not selector.select(READY_TIMEOUT_S):
-            raise RuntimeError(
-                f"{child.name} did not start within {READY_TIMEOUT_S:.0f} s; see {child.log_path}"
-            )
-    line = child.process.stdout.readline()
-    if not line:
-        raise RuntimeError(f"{child.name} exited with {child.process.wait()}; see {child.log_path}")
-    return json.loads(line)
+    assert child.process is not None
+    return read_ready_line(child.process, f"{child.name} (see {child.log_path})")
 
 
 def run_demo(plan: DemoPlan, say: Say) -> dict[str, Any]:

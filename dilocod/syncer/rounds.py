@@ -389,15 +389,23 @@ class Rounds:
     def _maybe_merge(self, rnd: _Round, now: float) -> list[Action]:
         joining, actions = self._take_carried(rnd)
         pushes = {**joining, **rnd.pushes}
+        # Still expected: asked, live (leave() forgets the others) and not screened out. Every
+        # admitted push in flight is from an asked learner.
+        waiting = rnd.requested - set(pushes) - rnd.refused
+        if not pushes and not waiting:
+            # Everyone asked answered with a screened-out push, or left: nothing can ever merge
+            # here. Closing the round frees its fragment for its next turn instead of blocking it
+            # until some learner joins again. (A round holding pushes below quorum stays open:
+            # those pushes are work, and the rounds resume when K learners are back.)
+            self._close(rnd, RoundState.ABANDONED)
+            self.rounds_abandoned += 1
+            return actions
         if len(pushes) < self.config.quorum:
             return actions
         if rnd.quorum_at is None:
             rnd.quorum_at = now
             self._quorum_time.add(now - rnd.opened_at)
             rnd.deadline = now + self._grace_s(rnd)
-        # Still expected: asked, live (leave() forgets the others) and not screened out. Every
-        # admitted push in flight is from an asked learner.
-        waiting = rnd.requested - set(pushes) - rnd.refused
         if waiting and rnd.deadline is not None and now < rnd.deadline:
             return actions
         carried = self._carried.get(rnd.fragment, {})

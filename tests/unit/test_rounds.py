@@ -342,3 +342,30 @@ def test_invariants_under_any_event_order(
             merging.append(merge)
         assert all(a >= b for a, b in zip(rounds.versions, versions, strict=True))
         assert rounds.clock >= clock
+
+
+def test_a_round_nobody_can_merge_frees_its_fragment() -> None:
+    """K = 1 and the only push is screened out: the round is abandoned, so the fragment's next turn
+    opens a new round instead of being skipped while this one waits for nobody."""
+    rounds = started(RoundConfig(fragments=2, sync_every=2, quorum=1), ("a",))
+    request = first_round(rounds)
+    bad = push_for(request, "a")
+    rounds.admit(bad, now=0.1)
+    rounds.push_complete(bad, BAD, now=0.2)
+    assert rounds.rounds_abandoned == 1 and rounds.versions == [0, 0]
+    opened = []
+    for t in range(1, 4):
+        opened += [r.fragment for r in of(Request, rounds.step("a", 10, 1.0, now=float(t)))]
+    assert opened.count(request.fragment) >= 1, opened  # fragment 0 asked again at its next turn
+
+
+def test_a_round_with_pushes_below_quorum_waits_for_the_learners_to_return() -> None:
+    rounds = started(RoundConfig(fragments=2, sync_every=2, quorum=2), ("a", "b"))
+    request = first_round(rounds)
+    pa = push_for(request, "a")
+    rounds.admit(pa, now=0.1)
+    rounds.push_complete(pa, OK, now=0.2)
+    rounds.leave("b", now=0.3)
+    assert rounds.rounds_abandoned == 0  # a's push is work: kept until K learners are back
+    (ask,) = rounds.join("c", now=1.0)
+    assert ask.round_index == request.round_index

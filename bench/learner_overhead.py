@@ -47,7 +47,6 @@ import contextlib
 import json
 import math
 import os
-import selectors
 import shlex
 import signal
 import statistics
@@ -61,6 +60,8 @@ from pathlib import Path
 from typing import Any
 
 from machine import machine_facts  # bench/machine.py: run as python bench/<script>.py
+
+from dilocod.ops.processes import read_ready_line
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "learner_overhead.json"
@@ -271,16 +272,13 @@ def start_syncer(entry_dir: Path, work: Path, cpus: set[int] | None) -> tuple[su
     with children_on(cpus):
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, env=child_env(entry_dir))
     stderr.close()
-    assert process.stdout is not None
-    with selectors.DefaultSelector() as selector:
-        selector.register(process.stdout, selectors.EVENT_READ)
-        ready = selector.select(READY_TIMEOUT_S)
-    line = process.stdout.readline() if ready else b""
-    if not line:
+    try:
+        ready = read_ready_line(process, "syncer", READY_TIMEOUT_S)
+    except RuntimeError as exc:
         process.kill()
         process.wait()
-        raise RuntimeError(f"syncer not ready: {(work / 'syncer.stderr').read_text(errors='replace')}")
-    return process, int(json.loads(line)["port"])
+        raise RuntimeError(f"{exc}: {(work / 'syncer.stderr').read_text(errors='replace')}") from None
+    return process, int(ready["port"])
 
 
 def run_under_dilocod(

@@ -53,7 +53,6 @@ import contextlib
 import json
 import math
 import os
-import selectors
 import shlex
 import shutil
 import signal
@@ -72,6 +71,7 @@ from typing import IO, Any
 import torch
 from machine import machine_facts  # bench/machine.py: run as python bench/<script>.py
 
+from dilocod.ops.processes import read_ready_line
 from dilocod.transport.endpoints import connect
 from dilocod.transport.errors import SessionClosed, TransferFailed
 from dilocod.transport.loop import run
@@ -196,15 +196,13 @@ def start_syncer(work: Path, width: int, syncer_args: Sequence[str]) -> SyncerCh
     assert process.stdout is not None and process.stderr is not None
     child = SyncerChild(process, 0)
     threading.Thread(target=child.follow, args=(process.stderr,), daemon=True).start()
-    with selectors.DefaultSelector() as selector:
-        selector.register(process.stdout, selectors.EVENT_READ)
-        ready = selector.select(READY_TIMEOUT_S)
-    line = process.stdout.readline() if ready else b""
-    if not line:
+    try:
+        ready = read_ready_line(process, "syncer", READY_TIMEOUT_S)
+    except RuntimeError as exc:
         process.kill()
         process.wait()
-        raise RuntimeError("syncer not ready:\n" + "\n".join(child.tail))
-    child.port = int(json.loads(line)["port"])
+        raise RuntimeError(f"{exc}:\n" + "\n".join(child.tail)) from None
+    child.port = int(ready["port"])
     return child
 
 

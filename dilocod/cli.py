@@ -5,7 +5,6 @@ need them, so `dilocod --help` and `dilocod status` answer fast.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -19,6 +18,7 @@ import click
 
 from dilocod import __version__
 from dilocod.config import (
+    DEFAULT_ENTRY,
     EX_CONFIG,
     Address,
     ConfigError,
@@ -29,8 +29,7 @@ from dilocod.config import (
 )
 
 CODEC_CHOICES = ("none", "lz4", "zstd")
-#: The embedded default model: a byte-level GPT on the Python standard library's sources.
-DEFAULT_ENTRY = "dilocod.examples.charlm:make_trainer"
+
 DEFAULT_PORT = 7070
 
 
@@ -76,6 +75,11 @@ secret_option = click.option(
     "--secret-file",
     type=click.Path(path_type=Path, dir_okay=False),
     help="File holding the shared secret (at least 16 bytes) for HMAC authentication.",
+)
+entry_option = click.option(
+    "--entry",
+    help="MODULE:FACTORY (or an installed dilocod.trainers name) of the training.  "
+    f"[default: the embedded byte-level LM, {DEFAULT_ENTRY}]",
 )
 insecure_option = click.option(
     "--insecure", is_flag=True, help="Run without authentication (loopback and trusted networks only)."
@@ -215,11 +219,7 @@ def status(target: str, secret_file: Path | None, insecure: bool, as_json: bool,
     "--config", "config_file", type=click.Path(path_type=Path, dir_okay=False), help="TOML file; flags win."
 )
 @click.option("--listen", help="HOST:PORT learners dial.  [default: 0.0.0.0:7070]")
-@click.option(
-    "--entry",
-    help="MODULE:FACTORY (or an installed dilocod.trainers name) that builds the model.  "
-    "[default: the embedded byte-level LM, dilocod.examples.charlm:make_trainer]",
-)
+@entry_option
 @click.option("--state-dir", help="Directory for checkpoints (and its lock); created if missing.")
 @click.option("--fragments", help="P: fragments the model is cut into.  [default: 24]")
 @click.option("--sync-every", help="H: inner steps between two syncs of one fragment.  [default: 24]")
@@ -257,8 +257,6 @@ def syncer(config_file: Path | None, ready_json: bool, uvloop: bool, **flags: An
     from dilocod.ops.logging import configure_logging  # noqa: PLC0415
 
     config = _parsed(lambda: load_config(SyncerConfig, SYNCER_FIELDS, config_file, flags))
-    if config.entry is None:
-        config = dataclasses.replace(config, entry=DEFAULT_ENTRY)
     secret = _load_secret(config.secret_file, config.insecure, config.listen)
     configure_logging()
     from dilocod.ops.notify import Notifier  # noqa: PLC0415
@@ -303,11 +301,7 @@ def export(state_dir: Path, out: Path) -> None:
     "--config", "config_file", type=click.Path(path_type=Path, dir_okay=False), help="TOML file; flags win."
 )
 @click.option("--syncer", help="HOST:PORT of the syncer.")
-@click.option(
-    "--entry",
-    help="MODULE:FACTORY (or an installed dilocod.trainers name) of your training.  "
-    "[default: the embedded byte-level LM, dilocod.examples.charlm:make_trainer]",
-)
+@entry_option
 @click.option("--id", "id_", help="This learner's name (unique per learner; a restart reuses it).")
 @click.option("--state-dir", help="Where the local state (model, inner optimizer, data cursor) is kept.")
 @click.option("--device", help="cuda, cuda:N or cpu.  [default: cuda if available, else cpu]")
@@ -348,8 +342,6 @@ def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: An
     for key in ("syncer", "id"):
         if getattr(config, key) is None:
             _config_error(f"--{key} is required (or set {key} in the --config file)")
-    if config.entry is None:
-        config = dataclasses.replace(config, entry=DEFAULT_ENTRY)
     secret = _load_secret(config.secret_file, config.insecure)
     if secret is None and not config.insecure:
         _config_error("--secret-file FILE (the syncer's shared secret) or --insecure is required")
@@ -367,7 +359,7 @@ def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: An
     island = None
     if world_size > 1:
         island = IslandConfig(int(os.environ["RANK"]), world_size, int(os.environ.get("LOCAL_RANK", "0")))
-    assert config.syncer is not None and config.entry is not None and config.id is not None
+    assert config.syncer is not None and config.id is not None
     setup = LearnerSetup(
         runtime=RuntimeConfig(
             entry=config.entry,

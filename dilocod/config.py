@@ -175,6 +175,8 @@ def _size(value: object, key: str) -> int:
 
 
 DEFAULT_PORT = 7070
+#: The embedded default model of both daemons: a byte-level GPT on the Python standard library.
+DEFAULT_ENTRY = "dilocod.examples.charlm:make_trainer"
 MERGES = ("rda", "mean")
 WIRE_CODECS = ("none", "lz4", "zstd")
 
@@ -184,8 +186,7 @@ class SyncerConfig:
     """`dilocod syncer`: defaults here, then a TOML file, then flags (DESIGN.md §3.6 defaults)."""
 
     listen: Address = Address("0.0.0.0", DEFAULT_PORT)
-    #: None: the embedded default model (dilocod.examples.charlm).
-    entry: str | None = None
+    entry: str = DEFAULT_ENTRY
     state_dir: Path | None = None
     fragments: int = 24
     sync_every: int = 24
@@ -282,7 +283,7 @@ class LearnerConfig:
     """`dilocod learner`: defaults here, then a TOML file, then flags."""
 
     syncer: Address | None = None
-    entry: str | None = None
+    entry: str = DEFAULT_ENTRY
     id: str | None = None
     state_dir: Path | None = None
     #: "auto" picks cuda when this host has it, else cpu.

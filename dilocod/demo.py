@@ -25,12 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from dilocod.config import Address
+from dilocod.config import DEFAULT_ENTRY, Address
 from dilocod.ops.processes import read_ready_line, stop_process
 from dilocod.ops.status import fetch_status
 from dilocod.transport.loop import run
 
-DEFAULT_ENTRY = "dilocod.examples.charlm:make_trainer"
 SHOW_EVERY_S = 5.0
 CHAOS_EVERY_S = 30.0
 CHAOS_DOWN_S = 3.0

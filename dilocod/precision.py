@@ -62,15 +62,25 @@ def precision_of(
     return None
 
 
-def _views(buffer: bytearray | memoryview, manifest: Sequence[TensorEntry]) -> list[Tensor]:
+_TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
+
+
+def tensor_views(buffer: bytearray | memoryview, manifest: Sequence[TensorEntry]) -> list[Tensor]:
+    """The manifest's tensors as views onto a wire-layout buffer, sharing its memory (no copy).
+    Every part of dilocod that reads or writes fragment bytes in place goes through this."""
     raw = torch.frombuffer(buffer, dtype=torch.uint8) if len(buffer) else torch.empty(0, dtype=torch.uint8)
-    dtypes = {
-        "float32": torch.float32,
-        "bfloat16": torch.bfloat16,
-        "int8": torch.int8,
-        "uint8": torch.uint8,
-    }
-    return [raw[e.offset : e.offset + e.nbytes].view(dtypes[e.dtype]).view(e.shape) for e in manifest]
+    return [raw[e.offset : e.offset + e.nbytes].view(_TORCH_DTYPES[e.dtype]).view(e.shape) for e in manifest]
 
 
 def encode(
@@ -84,7 +94,7 @@ def encode(
     shapes = [(n, tuple(d.shape)) for n, d in zip(names, deltas, strict=True)]
     manifest, raw_bytes = push_layout(shapes, precision)
     out = bytearray(raw_bytes)
-    views = _views(out, manifest)
+    views = tensor_views(out, manifest)
     with torch.no_grad():
         if precision == "fp32":
             for view, delta in zip(views, deltas, strict=True):
@@ -116,7 +126,7 @@ def decode(
     manifest, raw_bytes = push_layout(shapes, precision)
     if len(buffer) != raw_bytes:
         raise ValueError(f"a {precision} push of these parameters holds {raw_bytes} bytes, not {len(buffer)}")
-    views = _views(buffer, manifest)
+    views = tensor_views(buffer, manifest)
     with torch.no_grad():
         if precision in ("fp32", "bf16"):
             for target, view in zip(out, views, strict=True):

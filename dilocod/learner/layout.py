@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dilocod.precision import tensor_views
 from dilocod.wire.manifest import ModelEntry, TensorEntry, pack_manifest
 from dilocod.wire.messages import Plan
 
@@ -57,12 +58,7 @@ class FragmentLayout:
         """float32 views of this fragment's tensors onto a wire-layout buffer (sharing memory)."""
         if len(buffer) != self.raw_bytes:
             raise ValueError(f"fragment {self.index}: {len(buffer)} bytes, the layout has {self.raw_bytes}")
-        raw = (
-            torch.frombuffer(buffer, dtype=torch.uint8)
-            if self.raw_bytes
-            else torch.empty(0, dtype=torch.uint8)
-        )
-        return [raw[e.offset : e.offset + e.nbytes].view(torch.float32).view(e.shape) for e in self.manifest]
+        return tensor_views(buffer, self.manifest)
 
 
 def layouts_for(plan: Plan, model: torch.nn.Module) -> list[FragmentLayout]:

@@ -23,7 +23,7 @@ import torch
 
 from dilocod.learner.bridge import Adopt, Bridge, Snapshot
 from dilocod.learner.layout import PlanMismatch, check_plan
-from dilocod.precision import encode
+from dilocod.precision import encode, tensor_views
 from dilocod.transport.endpoints import connect
 from dilocod.transport.errors import HandshakeFailed, SessionClosed, TransferFailed
 from dilocod.transport.options import TransportOptions
@@ -97,9 +97,7 @@ def compute_push(
             out=delta,
         )
     if precision != "fp32":
-        raw = torch.frombuffer(out, dtype=torch.uint8) if out else torch.empty(0, dtype=torch.uint8)
-        deltas = [raw[e.offset : e.offset + e.nbytes].view(torch.float32).view(e.shape) for e in manifest]
-        manifest, out = encode(deltas, [e.name for e in manifest], precision, residual)
+        manifest, out = encode(tensor_views(out, manifest), [e.name for e in manifest], precision, residual)
     return manifest, out, chunk_checksums(out, chunk_bytes)
 
 

@@ -67,8 +67,6 @@ def prepare(config: SyncerConfig, secret: bytes | None) -> Prepared:
     """Build the model store, the round state machine and the service; nothing listens yet."""
     if config.state_dir is None:
         raise SetupError("--state-dir is required: checkpoints and the lock live there")
-    if config.entry is None:
-        raise SetupError("--entry MODULE:FACTORY is required: the syncer builds the model from it")
     state_dir = config.state_dir
     context = LearnerContext("syncer", "syncer", "cpu", 0, 1, state_dir, config.seed)
     try:

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from dilocod.outer import FragmentPlan, embedding_mask, outer_step_
 from dilocod.outer.guard import Verdict, check_outer_gradient
+from dilocod.precision import tensor_views
 from dilocod.wire.codecs import chunk_checksums
 from dilocod.wire.manifest import ModelEntry, TensorEntry, pack_manifest
 
@@ -63,12 +64,6 @@ class FragmentStore:
     retired: list[Snapshot] = field(default_factory=list)
 
 
-def _views(buffer: bytearray | memoryview, manifest: Sequence[TensorEntry]) -> list[Tensor]:
-    """float32 views of the manifest's tensors onto buffer, sharing its memory."""
-    raw = torch.frombuffer(buffer, dtype=torch.uint8) if len(buffer) else torch.empty(0, dtype=torch.uint8)
-    return [raw[e.offset : e.offset + e.nbytes].view(torch.float32).view(e.shape) for e in manifest]
-
-
 class GlobalModel:
     """Θ, b and the snapshots of every fragment. Not thread-safe beyond what the docstring says."""
 
@@ -95,8 +90,8 @@ class GlobalModel:
                     raw_bytes,
                     master,
                     momentum,
-                    _views(master, manifest),
-                    _views(momentum, manifest),
+                    tensor_views(master, manifest),
+                    tensor_views(momentum, manifest),
                     embedding_mask(fragment.names, embedding_pattern),
                 )
             )
@@ -204,7 +199,7 @@ class GlobalModel:
         store = self.fragments[index]
         if len(buffer) != store.raw_bytes:
             raise ValueError(f"push of {len(buffer)} bytes for a fragment of {store.raw_bytes}")
-        return _views(buffer, store.manifest)
+        return tensor_views(buffer, store.manifest)
 
     def screen(
         self, index: int, buffer: bytearray | memoryview, history: Sequence[float], max_norm_ratio: float

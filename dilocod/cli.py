@@ -12,7 +12,7 @@ import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
@@ -26,7 +26,12 @@ from dilocod.config import (
     parse_int_list,
     parse_list,
     parse_size,
+    require_authentication,
+    tls_paths,
 )
+
+if TYPE_CHECKING:
+    import ssl
 
 CODEC_CHOICES = ("none", "lz4", "zstd")
 
@@ -52,23 +57,44 @@ def _user_traceback(exc: BaseException) -> None:
         traceback.print_exception(exc.__cause__, file=sys.stderr)
 
 
-def _load_secret(secret_file: Path | None, insecure: bool, listen: Address | None = None) -> bytes | None:
-    """The shared secret, or None when running without authentication is allowed."""
-    from dilocod.transport.credentials import CredentialError, load_secret  # noqa: PLC0415
+def _credentials(
+    secret_file: Path | None,
+    insecure: bool,
+    address: Address,
+    *,
+    listening: bool,
+    tls: tuple[Path, Path, Path] | None = None,
+    tls_flags: bool = True,
+) -> tuple[bytes | None, ssl.SSLContext | None]:
+    """The shared secret and the mutual-TLS context this command authenticates with. Beyond
+    loopback one of them is required unless --insecure is given (exit 78 naming the fix)."""
+    from dilocod.transport.credentials import (  # noqa: PLC0415
+        CredentialError,
+        TlsFiles,
+        client_context,
+        load_secret,
+        server_context,
+    )
 
-    if secret_file is not None and insecure:
-        _config_error("--secret-file and --insecure exclude each other")
-    if secret_file is not None:
-        try:
-            return load_secret(secret_file)
-        except CredentialError as exc:
-            _config_error(str(exc))
-    if listen is not None and not listen.is_loopback and not insecure:
-        _config_error(
-            f"listening on {listen} beyond loopback without a shared secret: pass --secret-file FILE "
-            "(make one with: openssl rand -hex 32 > FILE) or --insecure on a trusted network"
+    _parsed(
+        lambda: require_authentication(
+            address,
+            listening=listening,
+            secret=secret_file is not None,
+            tls=tls is not None,
+            insecure=insecure,
+            tls_flags=tls_flags,
         )
-    return None
+    )
+    try:
+        secret = load_secret(secret_file) if secret_file is not None else None
+        context = None
+        if tls is not None:
+            files = TlsFiles(*tls)
+            context = server_context(files) if listening else client_context(files)
+    except CredentialError as exc:
+        _config_error(str(exc))
+    return secret, context
 
 
 secret_option = click.option(
@@ -84,6 +110,21 @@ entry_option = click.option(
 insecure_option = click.option(
     "--insecure", is_flag=True, help="Run without authentication (loopback and trusted networks only)."
 )
+
+TLS_FLAGS = (
+    ("cert", "Mutual TLS: this end's certificate chain (PEM)."),
+    ("key", "Mutual TLS: the private key of --tls-cert (PEM)."),
+    ("ca", "Mutual TLS: the CA (PEM) that signs the peers' certificates."),
+)
+
+
+def tls_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """--tls-cert, --tls-key and --tls-ca: mutual TLS 1.3, all three or none."""
+    for name, what in reversed(TLS_FLAGS):
+        command = click.option(
+            f"--tls-{name}", f"tls_{name}", type=click.Path(path_type=Path, dir_okay=False), help=what
+        )(command)
+    return command
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -179,7 +220,7 @@ def bench_serve(
     from dilocod.transport.loop import run  # noqa: PLC0415
 
     address = _parsed(lambda: parse_address(listen, key="--listen", default_port=DEFAULT_PORT))
-    secret = _load_secret(secret_file, insecure, address)
+    secret, _ = _credentials(secret_file, insecure, address, listening=True, tls_flags=False)
 
     def ready(info: dict[str, Any]) -> None:
         if ready_json:
@@ -197,17 +238,28 @@ def bench_serve(
 @click.option("--syncer", "target", required=True, help="HOST:PORT of the daemon to ask.")
 @secret_option
 @insecure_option
+@tls_options
 @click.option("--json", "as_json", is_flag=True, help="Print the raw status as JSON.")
 @click.option("--timeout", "timeout_s", default=10.0, show_default=True, help="Seconds to wait.")
-def status(target: str, secret_file: Path | None, insecure: bool, as_json: bool, timeout_s: float) -> None:
+def status(
+    target: str,
+    secret_file: Path | None,
+    insecure: bool,
+    tls_cert: Path | None,
+    tls_key: Path | None,
+    tls_ca: Path | None,
+    as_json: bool,
+    timeout_s: float,
+) -> None:
     """Ask a running daemon for its status."""
     from dilocod.ops.status import fetch_status, format_status  # noqa: PLC0415
     from dilocod.transport.loop import run  # noqa: PLC0415
 
     address = _parsed(lambda: parse_address(target, key="--syncer", default_port=DEFAULT_PORT))
-    secret = _load_secret(secret_file, insecure)
+    tls = _parsed(lambda: tls_paths(tls_cert, tls_key, tls_ca))
+    secret, context = _credentials(secret_file, insecure, address, listening=False, tls=tls)
     try:
-        result = run(fetch_status(address, secret=secret, timeout_s=timeout_s))
+        result = run(fetch_status(address, secret=secret, ssl=context, timeout_s=timeout_s))
     except (OSError, ConnectionError, TimeoutError) as exc:
         click.echo(f"dilocod status: cannot reach {address}: {exc}", err=True)
         sys.exit(1)
@@ -236,6 +288,9 @@ def status(target: str, secret_file: Path | None, insecure: bool, as_json: bool,
 @click.option("--outer-momentum", help="Outer Nesterov momentum.  [default: 0.9]")
 @click.option("--secret-file", help="File holding the shared secret (at least 16 bytes).")
 @click.option("--insecure", is_flag=True, default=None, help="Run without authentication.")
+@click.option("--tls-cert", help="Mutual TLS: this syncer's certificate chain (PEM).")
+@click.option("--tls-key", help="Mutual TLS: the private key of --tls-cert (PEM).")
+@click.option("--tls-ca", help="Mutual TLS: the CA (PEM) that signs the learners' certificates.")
 @click.option("--metrics", help="HOST:PORT for Prometheus text metrics (off unless given).")
 @click.option("--checkpoint-every-s", help="Seconds between checkpoints.  [default: 300]")
 @click.option("--staleness", help="Versions a late push may trail and still be merged.  [default: 1]")
@@ -257,7 +312,10 @@ def syncer(config_file: Path | None, ready_json: bool, uvloop: bool, **flags: An
     from dilocod.ops.logging import configure_logging  # noqa: PLC0415
 
     config = _parsed(lambda: load_config(SyncerConfig, SYNCER_FIELDS, config_file, flags))
-    secret = _load_secret(config.secret_file, config.insecure, config.listen)
+    tls = _parsed(lambda: tls_paths(config.tls_cert, config.tls_key, config.tls_ca))
+    secret, context = _credentials(
+        config.secret_file, config.insecure, config.listen, listening=True, tls=tls
+    )
     configure_logging()
     from dilocod.ops.notify import Notifier  # noqa: PLC0415
     from dilocod.syncer.daemon import SetupError, run_syncer  # noqa: PLC0415
@@ -269,7 +327,7 @@ def syncer(config_file: Path | None, ready_json: bool, uvloop: bool, **flags: An
 
     try:
         notifier = Notifier.from_environment(os.environ)
-        run_syncer(config, secret, ready=ready, use_uvloop=uvloop, notifier=notifier)
+        run_syncer(config, secret, tls=context, ready=ready, use_uvloop=uvloop, notifier=notifier)
     except SetupError as exc:
         click.echo(f"dilocod syncer: {exc}", err=True)
         _user_traceback(exc)
@@ -318,6 +376,9 @@ def export(state_dir: Path, out: Path) -> None:
 @click.option("--mix-alpha", help="Weight of the local fragment in --apply mix.  [default: 0.5]")
 @click.option("--secret-file", help="File holding the shared secret (at least 16 bytes).")
 @click.option("--insecure", is_flag=True, default=None, help="Connect without authentication.")
+@click.option("--tls-cert", help="Mutual TLS: this learner's certificate chain (PEM).")
+@click.option("--tls-key", help="Mutual TLS: the private key of --tls-cert (PEM).")
+@click.option("--tls-ca", help="Mutual TLS: the CA (PEM) that signs the syncer's certificate.")
 @click.option("--chunk", help="Chunk size of pushes.  [default: 1MiB]")
 @click.option("--save-every-s", help="Seconds between saves of the local state.  [default: 300]")
 @click.option(
@@ -342,9 +403,11 @@ def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: An
     for key in ("syncer", "id"):
         if getattr(config, key) is None:
             _config_error(f"--{key} is required (or set {key} in the --config file)")
-    secret = _load_secret(config.secret_file, config.insecure)
-    if secret is None and not config.insecure:
-        _config_error("--secret-file FILE (the syncer's shared secret) or --insecure is required")
+    assert config.syncer is not None and config.id is not None
+    tls = _parsed(lambda: tls_paths(config.tls_cert, config.tls_key, config.tls_ca))
+    secret, context = _credentials(
+        config.secret_file, config.insecure, config.syncer, listening=False, tls=tls
+    )
     configure_logging()
     import torch  # noqa: PLC0415 - after the cheap checks, so typos fail fast
 
@@ -359,7 +422,6 @@ def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: An
     island = None
     if world_size > 1:
         island = IslandConfig(int(os.environ["RANK"]), world_size, int(os.environ.get("LOCAL_RANK", "0")))
-    assert config.syncer is not None and config.id is not None
     setup = LearnerSetup(
         runtime=RuntimeConfig(
             entry=config.entry,
@@ -376,6 +438,7 @@ def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: An
             port=config.syncer.port,
             learner_id=config.id,
             secret=secret,
+            tls=context,
             streams=4 if config.streams == "auto" else int(config.streams),
             codec="none" if config.codec == "auto" else config.codec,
             precision=config.precision,
@@ -387,8 +450,10 @@ def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: An
         use_uvloop=uvloop,
         island=island,
     )
+    from dilocod.ops.notify import Notifier  # noqa: PLC0415
+
     try:
-        run_learner(setup)
+        run_learner(setup, Notifier.from_environment(os.environ))
     except LearnerSetupError as exc:
         click.echo(f"dilocod learner: {exc}", err=True)
         _user_traceback(exc)

@@ -4,6 +4,7 @@ environment. Must stay cheap to import (no torch)."""
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
 import tomllib
@@ -76,7 +77,51 @@ class Address:
 
     @property
     def is_loopback(self) -> bool:
-        return self.host in ("localhost", "::1") or self.host.startswith("127.")
+        """Only literal loopback addresses and the name localhost: any other name may resolve
+        (or be made to resolve) beyond this host, so it counts as remote."""
+        if self.host.lower() == "localhost":
+            return True
+        try:
+            ip = ipaddress.ip_address(self.host)
+        except ValueError:
+            return False
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped  # ::ffff:127.0.0.1 is loopback too
+        return ip.is_loopback
+
+
+def require_authentication(
+    address: Address, *, listening: bool, secret: bool, tls: bool, insecure: bool, tls_flags: bool = True
+) -> None:
+    """Security by default: a daemon that listens on or dials a non-loopback address must
+    authenticate its peers (a shared secret, or mutual TLS) unless told --insecure explicitly.
+
+    Raises ConfigError naming the fix. On loopback nothing is required: every process there
+    already runs on this host. `tls_flags` says whether the command offers the --tls-* options.
+    """
+    if insecure and (secret or tls):
+        given = "--secret-file" if secret else "--tls-cert/--tls-key/--tls-ca"
+        raise ConfigError(f"{given} and --insecure exclude each other")
+    if secret or tls or insecure or address.is_loopback:
+        return
+    where = f"listening on {address}" if listening else f"connecting to {address}"
+    tls_fix = ", or --tls-cert FILE --tls-key FILE --tls-ca FILE for mutual TLS" if tls_flags else ""
+    raise ConfigError(
+        f"{where} beyond loopback without a shared secret{' or TLS' if tls_flags else ''}: "
+        f"pass --secret-file FILE (make one with: openssl rand -hex 32 > FILE){tls_fix}, "
+        "or --insecure on a trusted network"
+    )
+
+
+def tls_paths(cert: Path | None, key: Path | None, ca: Path | None) -> tuple[Path, Path, Path] | None:
+    """The three mutual-TLS files, or None when none is given; some but not all is an error."""
+    if cert is None and key is None and ca is None:
+        return None
+    if cert is None or key is None or ca is None:
+        given = {"--tls-cert": cert, "--tls-key": key, "--tls-ca": ca}
+        missing = ", ".join(flag for flag, path in given.items() if path is None)
+        raise ConfigError(f"mutual TLS needs --tls-cert, --tls-key and --tls-ca together: {missing} missing")
+    return cert, key, ca
 
 
 def parse_address(text: str, *, key: str = "address", default_port: int | None = None) -> Address:
@@ -199,6 +244,10 @@ class SyncerConfig:
     outer_momentum: float = 0.9
     secret_file: Path | None = None
     insecure: bool = False
+    #: Mutual TLS: this daemon's certificate chain and key, and the CA that signs its peers.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_ca: Path | None = None
     metrics: Address | None = None
     checkpoint_every_s: float = 300.0
     #: A late push may still be merged this many versions after its base.
@@ -226,6 +275,9 @@ SYNCER_FIELDS: dict[str, Parse] = {
     "outer_momentum": _number(0.0, 1.0),
     "secret_file": _path,
     "insecure": _flag,
+    "tls_cert": _path,
+    "tls_key": _path,
+    "tls_ca": _path,
     "metrics": _address(9464),
     "checkpoint_every_s": _number(0.0, low_open=True),
     "staleness": _integer(0, 1_000),
@@ -298,6 +350,10 @@ class LearnerConfig:
     mix_alpha: float = 0.5
     secret_file: Path | None = None
     insecure: bool = False
+    #: Mutual TLS: this learner's certificate chain and key, and the CA that signs the syncer's.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_ca: Path | None = None
     chunk: int = 1 << 20
     save_every_s: float = 300.0
     join_timeout_s: float = 60.0
@@ -319,6 +375,9 @@ LEARNER_FIELDS: dict[str, Parse] = {
     "mix_alpha": _number(0.0, 1.0),
     "secret_file": _path,
     "insecure": _flag,
+    "tls_cert": _path,
+    "tls_key": _path,
+    "tls_ca": _path,
     "chunk": _size,
     "save_every_s": _number(0.0, low_open=True),
     "join_timeout_s": _number(0.0, low_open=True),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import ssl
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -54,6 +55,8 @@ class LinkConfig:
     port: int
     learner_id: str
     secret: bytes | None
+    #: Mutual TLS around every connection to the syncer, or None.
+    tls: ssl.SSLContext | None = None
     streams: int = 4
     codec: str = "none"
     #: Wire precision of outer gradients (dilocod.precision): fp32, bf16, int8 or int4.
@@ -158,6 +161,7 @@ class Link:
                 peer_id=self.config.learner_id,
                 role="learner",
                 secret=self.config.secret,
+                ssl=self.config.tls,
                 streams=self.config.streams,
                 options=options,
             )

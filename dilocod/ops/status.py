@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import ssl as ssl_module
 from typing import Any
 
 from dilocod.config import Address
@@ -13,7 +14,9 @@ from dilocod.transport.options import TransportOptions
 from dilocod.wire.messages import StatusRequest, StatusResponse
 
 
-async def fetch_status(address: Address, *, secret: bytes | None, timeout_s: float) -> dict[str, Any]:
+async def fetch_status(
+    address: Address, *, secret: bytes | None, timeout_s: float, ssl: ssl_module.SSLContext | None = None
+) -> dict[str, Any]:
     options = TransportOptions(handshake_timeout_s=timeout_s)
     async with asyncio.timeout(timeout_s):
         session = await connect(
@@ -22,6 +25,7 @@ async def fetch_status(address: Address, *, secret: bytes | None, timeout_s: flo
             peer_id=f"status-{os.getpid()}",
             role="status",
             secret=secret,
+            ssl=ssl,
             streams=0,
             options=options,
         )

@@ -13,6 +13,7 @@ import fcntl
 import os
 import secrets
 import signal
+import ssl
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ def lock_state_dir(state_dir: Path, stack: ExitStack) -> None:
     handle.flush()
 
 
-def prepare(config: SyncerConfig, secret: bytes | None) -> Prepared:
+def prepare(config: SyncerConfig, secret: bytes | None, *, tls: ssl.SSLContext | None = None) -> Prepared:
     """Build the model store, the round state machine and the service; nothing listens yet."""
     if config.state_dir is None:
         raise SetupError("--state-dir is required: checkpoints and the lock live there")
@@ -124,6 +125,7 @@ def prepare(config: SyncerConfig, secret: bytes | None) -> Prepared:
         state_dir=state_dir,
         incarnation=secrets.token_hex(8),
         secret=secret,
+        tls=tls,
         meta=meta,
     )
     return Prepared(service, None if loaded is None else loaded.path)
@@ -158,7 +160,7 @@ def run_syncer(
     with ExitStack() as stack:
         if config.state_dir is not None:
             lock_state_dir(config.state_dir, stack)
-        prepared = prepare(config, secret)
+        prepared = prepare(config, secret, tls=tls)
         service = prepared.service
         if prepared.resumed_from is not None:
             log.info(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Coroutine
@@ -93,6 +94,7 @@ class SyncerService:
         secret: bytes | None,
         meta: dict[str, Any],
         clock: Callable[[], float] = time.monotonic,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.config = config
         self.model = model
@@ -100,6 +102,7 @@ class SyncerService:
         self.state_dir = state_dir
         self.incarnation = incarnation
         self.secret = secret
+        self.tls = tls  # mutual TLS around every connection, or None
         self.meta = meta
         self.clock = clock
         self.peers: dict[str, _Peer] = {}
@@ -142,6 +145,7 @@ class SyncerService:
                     self._handle,
                     server_id="syncer",
                     secret=self.secret,
+                    ssl=self.tls,
                     options=options,
                     incarnation=self.incarnation,
                 ) as server,

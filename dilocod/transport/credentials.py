@@ -60,4 +60,6 @@ def _load(ctx: ssl.SSLContext, files: TlsFiles) -> None:
         ctx.load_cert_chain(files.cert, files.key)
         ctx.load_verify_locations(files.ca)
     except (OSError, ssl.SSLError) as exc:
-        raise CredentialError(f"cannot load TLS files {files}: {exc}") from None
+        raise CredentialError(
+            f"cannot load the TLS files (cert {files.cert}, key {files.key}, CA {files.ca}): {exc}"
+        ) from None

@@ -92,6 +92,54 @@ def test_short_secret_file_is_refused(tmp_path: Path) -> None:
     assert "holds 5 bytes; at least 16 are needed" in done.stderr
 
 
+BEYOND_LOOPBACK = [
+    pytest.param(["syncer", "--listen", "0.0.0.0:0", "--state-dir", "unused"], "listening on", id="syncer"),
+    pytest.param(["learner", "--syncer", "10.0.0.7:7070", "--id", "a"], "connecting to", id="learner"),
+    pytest.param(["status", "--syncer", "syncer.example:7070"], "connecting to", id="status"),
+]
+
+
+@pytest.mark.parametrize(("argv", "where"), BEYOND_LOOPBACK)
+def test_beyond_loopback_without_credentials_exits_78_naming_the_fix(argv: list[str], where: str) -> None:
+    """Before torch is imported or anything is bound or dialled."""
+    code, heavy, output = _imports_after(argv)
+    assert code == EX_CONFIG
+    assert heavy == set()
+    assert where in output and "without a shared secret or TLS" in output
+    for fix in ("--secret-file FILE", "openssl rand -hex 32", "--tls-cert FILE", "--insecure"):
+        assert fix in output
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--tls-cert", "c.pem"], "--tls-key, --tls-ca missing"),
+        (
+            ["--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-ca", "ca.pem", "--insecure"],
+            "exclude each other",
+        ),
+        (["--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-ca", "ca.pem"], "cannot load the TLS files"),
+    ],
+)
+def test_bad_tls_options_exit_78(tmp_path: Path, extra: list[str], message: str) -> None:
+    argv = ["learner", "--syncer", "10.0.0.7:7070", "--id", "a"]
+    code, heavy, output = _imports_after(
+        [*argv, *[str(tmp_path / a) if a.endswith(".pem") else a for a in extra]]
+    )
+    assert code == EX_CONFIG and heavy == set()
+    assert message in output
+
+
+def test_a_learner_on_loopback_needs_no_secret() -> None:
+    """No --secret-file and no --insecure on loopback: it gets past the credentials to its entry."""
+    code, _, output = _imports_after(
+        ["learner", "--syncer", "127.0.0.1:9", "--id", "a", "--entry", "no_such_module:make"]
+    )
+    assert code == EX_CONFIG
+    assert "no module named 'no_such_module'" in output
+    assert "secret" not in output
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [("4096", 4096), ("64KiB", 65536), ("256MiB", 256 << 20), ("1GiB", 1 << 30), ("1.5GB", 1_500_000_000)],

@@ -150,6 +150,7 @@ def run_syncer(
     config: SyncerConfig,
     secret: bytes | None,
     *,
+    tls: ssl.SSLContext | None = None,
     ready: Callable[[dict[str, Any]], None],
     use_uvloop: bool = True,
     notifier: Any = None,

@@ -9,8 +9,10 @@ not import networking.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
+from pickle import UnpicklingError  # the exception only: nothing here unpickles but torch's weights_only
 from typing import Any
 
 import torch
@@ -49,6 +51,14 @@ def load_local_state(state_dir: Path) -> dict[str, Any] | None:
         return None
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
+    except UnpicklingError as exc:
+        # torch's own text suggests retrying with weights_only=False: the one thing not to do here.
+        named = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        detail = f" (it names {named.group(1)})" if named else ""
+        raise LocalStateError(
+            f"{path} is refused: it is not made of tensors and plain values only{detail}, and loading "
+            "it anyway could run code. Move it away to start fresh"
+        ) from None
     except Exception as exc:
         raise LocalStateError(
             f"{path} cannot be read ({type(exc).__name__}: {exc}); move it away to start fresh"

@@ -145,7 +145,12 @@ def _record(line: str) -> dict[str, Any] | None:
 
 
 def start_syncer(
-    work: Path, entry_dir: Path, state_dir: Path, *args: str, entry: str = ENTRY
+    work: Path,
+    entry_dir: Path,
+    state_dir: Path,
+    *args: str,
+    entry: str = ENTRY,
+    credentials: tuple[str, ...] = ("--insecure",),
 ) -> DaemonProcess:
     stderr_path = work / f"syncer-{len(list(work.glob('syncer-*.stderr')))}.stderr"
     env = _child_env(entry_dir)
@@ -156,7 +161,7 @@ def start_syncer(
         "syncer",
         "--listen",
         "127.0.0.1:0",
-        "--insecure",
+        *credentials,
         "--entry",
         entry,
         "--state-dir",
@@ -287,14 +292,20 @@ def _child_env(entry_dir: Path) -> dict[str, str]:
 
 
 def start_learner(
-    work: Path, entry_dir: Path, port: int, learner_id: str, *args: str, step_s: float = 0.0
+    work: Path,
+    entry_dir: Path,
+    port: int,
+    learner_id: str,
+    *args: str,
+    step_s: float = 0.0,
+    credentials: tuple[str, ...] = ("--insecure",),
 ) -> DaemonProcess:
     """Start `dilocod learner` (no ready line: the tests wait on its log records)."""
     stderr_path = (
         work / f"learner-{learner_id}-{len(list(work.glob(f'learner-{learner_id}-*.stderr')))}.stderr"
     )
     stderr_path.touch()
-    command = [sys.executable, "-m", "dilocod", "learner", "--syncer", f"127.0.0.1:{port}", "--insecure"]
+    command = [sys.executable, "-m", "dilocod", "learner", "--syncer", f"127.0.0.1:{port}", *credentials]
     command += ["--entry", LEARNER_ENTRY, "--id", learner_id, "--device", "cpu", *args]
     process = subprocess.Popen(
         command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_child_env(entry_dir)

@@ -2,15 +2,24 @@
 before anything connects, the local state restored, the network on its own event-loop thread, the
 training loop on the main thread, and an orderly exit (local state saved, goodbye said) on SIGTERM,
 SIGINT or when --steps are done.
+
+With a systemd notify socket (Type=notify), rank 0 says READY=1 once the entry is loaded, its state
+restored and the network thread started; STATUS= every --progress-every-s; STOPPING=1 when it
+starts to wind down. Watchdog pings come from the network thread's event loop (so a blocked loop
+stops them) and only while no single step has run for the whole watchdog timeout (so a hung
+training step stops them too): WatchdogSec= must exceed the slowest step, the first one included.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import signal
 import threading
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 import torch
@@ -18,11 +27,13 @@ import torch
 from dilocod.contract import LearnerContext, Trainer
 from dilocod.learner.bridge import Bridge
 from dilocod.learner.entry import EntryError, load_trainer
+from dilocod.learner.health import StepWatch, status_line
 from dilocod.learner.island import Island, IslandConfig
 from dilocod.learner.layout import PlanMismatch, model_entries
 from dilocod.learner.link import Link, LinkConfig
 from dilocod.learner.runtime import LearnerStopped, RuntimeConfig, TrainingLoop
 from dilocod.learner.state import LocalStateError
+from dilocod.ops.notify import USEC_PER_S, Notifier, watchdog_loop
 
 log = structlog.get_logger("dilocod.learner")
 #: How long the network thread may take to say goodbye once training has stopped.
@@ -66,19 +77,22 @@ def load_entry(setup: LearnerSetup, device: torch.device) -> Trainer:
         raise LearnerSetupError(str(exc)) from exc.__cause__
 
 
-def run_learner(setup: LearnerSetup) -> None:
+def run_learner(setup: LearnerSetup, notifier: Notifier | None = None) -> None:
+    """Train until SIGTERM, SIGINT or --steps; `notifier` (from cli.py) talks to systemd."""
     device = resolve_device(setup)
     # The process group first: the user's factory may wrap the model for data parallelism.
     island = Island.start(setup.island, device) if setup.island is not None else None
     try:
-        _run(setup, device, island)
+        _run(setup, device, island, notifier or Notifier())
     finally:
         if island is not None:
             island.close()
 
 
-def _run(setup: LearnerSetup, device: torch.device, island: Island | None) -> None:
+def _run(setup: LearnerSetup, device: torch.device, island: Island | None, notifier: Notifier) -> None:
+    watch = StepWatch()
     trainer = load_entry(setup, device)
+    trainer = dataclasses.replace(trainer, step=watch.watch(trainer.step))
     try:
         model = model_entries(trainer.model)
     except PlanMismatch as exc:
@@ -104,16 +118,36 @@ def _run(setup: LearnerSetup, device: torch.device, island: Island | None) -> No
     except LocalStateError as exc:
         raise LearnerSetupError(str(exc)) from None
     link.incarnation = loop.incarnation
+    if not loop.leader:
+        # Under torchrun, systemd watches the launcher, not the ranks; rank 0 speaks for the island.
+        notifier = Notifier()
     stop = threading.Event()
-    network = _NetworkThread(link, setup.use_uvloop) if loop.leader else None
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def on_signal(*_: object) -> None:  # only sets the event (and tells systemd, a non-blocking send)
+        if not stop.is_set():
+            notifier.stopping("stopping: finishing the step, saving the local state")
+        stop.set()
+
+    companions: list[Callable[[], Coroutine[Any, Any, None]]] = []
+    if notifier.watchdog_usec is not None:
+        limit_s = notifier.watchdog_usec / USEC_PER_S
+        companions.append(lambda: watchdog_loop(notifier, lambda: watch.healthy(limit_s)))
+    if notifier.enabled:
+        companions.append(
+            lambda: _report_status(notifier, loop, network_status, setup.runtime.progress_every_s)
+        )
+    network = _NetworkThread(link, setup.use_uvloop, companions) if loop.leader else None
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     if network is not None:
         network.start()
+    notifier.ready(f"training from step {loop.step_index}, syncer {setup.link.host}:{setup.link.port}")
     try:
         loop.run(stop)
     except LearnerStopped as exc:
         raise LearnerSetupError(f"the syncer cannot use this learner: {exc}") from None
     finally:
+        if not stop.is_set():  # --steps done, or an error: no signal said STOPPING=1 yet
+            notifier.stopping(f"stopping at step {loop.step_index}")
         if network is not None:
             network.stop()
         for sig, handler in previous.items():
@@ -127,12 +161,36 @@ def _run(setup: LearnerSetup, device: torch.device, island: Island | None) -> No
         )
 
 
-class _NetworkThread:
-    """The event loop thread that runs the Link until stopped."""
+async def _report_status(
+    notifier: Notifier, loop: TrainingLoop, network: Callable[[], dict[str, object]], every_s: float
+) -> None:
+    """A STATUS= line for `systemctl status` every `every_s`, with the step rate since the last one.
 
-    def __init__(self, link: Link, use_uvloop: bool) -> None:
+    Reads plain values the training thread writes; a slightly stale read is fine for a status line.
+    """
+    clock = asyncio.get_running_loop().time
+    last_s, last_step = clock(), loop.step_index
+    while True:
+        await asyncio.sleep(every_s)
+        now_s, step = clock(), loop.step_index
+        rate = (step - last_step) / max(now_s - last_s, 1e-9)
+        notifier.status(status_line(step, rate, loop.progress.last_loss, network()))
+        last_s, last_step = now_s, step
+
+
+class _NetworkThread:
+    """The event loop thread that runs the Link until stopped, and its companions (the watchdog,
+    the status reporter) on the same loop, cancelled when the Link returns."""
+
+    def __init__(
+        self,
+        link: Link,
+        use_uvloop: bool,
+        companions: list[Callable[[], Coroutine[Any, Any, None]]] | None = None,
+    ) -> None:
         self.link = link
         self.use_uvloop = use_uvloop
+        self.companions = companions or []
         self._thread = threading.Thread(target=self._main, name="dilocod-network", daemon=True)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -149,7 +207,13 @@ class _NetworkThread:
             self._loop = asyncio.get_running_loop()
             self._stop = asyncio.Event()
             self._started.set()
-            await self.link.run(self._stop)
+            async with asyncio.TaskGroup() as tasks:
+                helpers = [tasks.create_task(make()) for make in self.companions]
+                try:
+                    await self.link.run(self._stop)
+                finally:
+                    for helper in helpers:
+                        helper.cancel()
 
         try:
             run(main(), use_uvloop=self.use_uvloop)

@@ -177,7 +177,7 @@ def run_syncer(
 
             def on_signal() -> None:  # a signal handler only sets the event (and tells systemd)
                 if not stop.is_set() and notifier is not None:
-                    notifier.stopping()
+                    notifier.stopping("stopping: finishing merges, writing a checkpoint")
                 stop.set()
 
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -195,7 +195,11 @@ def run_syncer(
                 log.info("listening", **info)
                 ready({"event": "ready", **info})
                 if notifier is not None:
-                    notifier.ready()
+                    # A STATUS with READY, so `systemctl status` says something before the first report.
+                    notifier.ready(
+                        f"listening on {host}:{port}, {len(service.model.fragments)} fragments, "
+                        f"{sum(service.model.versions)} fragment versions"
+                    )
 
             async with asyncio.TaskGroup() as tasks:
                 helpers = []

@@ -82,9 +82,12 @@ async def connect(
     options: TransportOptions | None = None,
     limits: Limits = DEFAULT_LIMITS,
     allocate: Allocate | None = None,
+    data_streams: Callable[[Session], int] | None = None,
 ) -> Session:
     """Open a session: authenticate the control connection, then `streams` data connections.
 
+    data_streams, when given, decides the number of data connections instead of `streams`, once
+    the control connection is authenticated (it can read Session.round_trip_s, say).
     Raises HandshakeFailed (credentials, version, timeout) or OSError (nothing listening).
     """
     options = options or TransportOptions()
@@ -110,6 +113,10 @@ async def connect(
         owns_executor=True,
     )
     try:
+        if data_streams is not None:
+            streams = data_streams(session)
+            if not 0 <= streams <= limits.max_data_connections:
+                raise ValueError(f"data_streams chose {streams}, not in 0..{limits.max_data_connections}")
         dials = [_dial(host, port, kind="data", session=peer.session, **kw) for _ in range(streams)]
         for proto, _ in await asyncio.gather(*dials):
             session.attach_data(proto)

@@ -22,6 +22,7 @@ from functools import partial
 from dilocod.transport.errors import SessionClosed, TransferFailed
 from dilocod.transport.options import TransportOptions
 from dilocod.transport.protocol import FrameProtocol
+from dilocod.transport.sockets import round_trip_s
 from dilocod.wire import codecs
 from dilocod.wire.errors import ErrorCode, RemoteProtocolError
 from dilocod.wire.events import ChunkReceived, Event, HandshakeCompleted, MessageReceived, PeerWentAway
@@ -137,6 +138,18 @@ class Session:
     @property
     def is_open(self) -> bool:
         return not self.closed.is_set()
+
+    def round_trip_s(self) -> float | None:
+        """The kernel's lowest round-trip time among this session's open connections (TCP_INFO),
+        or None where the platform does not measure it."""
+        times = []
+        for proto in [self.control, *self.data]:
+            if proto.transport is not None and proto.is_open:
+                sock = proto.transport.get_extra_info("socket")
+                rtt = round_trip_s(sock) if sock is not None else None
+                if rtt is not None:
+                    times.append(rtt)
+        return min(times, default=None)
 
     def set_allocator(self, allocate: Allocate) -> None:
         """Choose where this session's inbound fragments land, per header. An allocator may refuse

@@ -1,4 +1,5 @@
-"""Socket options for WAN links: TCP_NODELAY, BBR where offered, and optional fixed buffers.
+"""Socket options for WAN links: TCP_NODELAY, BBR where offered, and optional fixed buffers; and
+the kernel's round-trip time of a connection.
 
 Linux autotunes receive windows up to net.ipv4.tcp_rmem's maximum; a fixed SO_RCVBUF turns
 autotuning off and is capped by net.core.rmem_max, so buffers are only fixed when asked.
@@ -8,11 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 TCP_CONGESTION = getattr(socket, "TCP_CONGESTION", 13)
 PREFERRED_CONGESTION = b"bbr"
+#: struct tcp_info (linux/tcp.h): 8 one-byte fields, then 32-bit ones; tcpi_rtt is the 16th of
+#: those, tcpi_min_rtt (Linux 4.6+) sits after the 64-bit counters. Both in microseconds.
+TCP_INFO_RTT_OFFSET = 68
+TCP_INFO_MIN_RTT_OFFSET = 148
+TCP_INFO_BYTES = 152
+#: What tcpi_min_rtt reads before the first sample (~0U).
+NO_RTT_SAMPLE = 0xFFFFFFFF
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,3 +65,22 @@ def report(sock: socket.socket) -> SocketReport:
         sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),
         bool(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)),
     )
+
+
+def round_trip_s(sock: socket.socket) -> float | None:
+    """The kernel's estimate of a connected TCP socket's round-trip time (TCP_INFO): the lowest RTT
+    it has seen, which leaves out queueing behind our own data, else its smoothed RTT. None where
+    the platform does not say (no TCP_INFO) or nothing has been measured yet."""
+    option = getattr(socket, "TCP_INFO", None)
+    if option is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, option, TCP_INFO_BYTES)
+    except OSError:
+        return None
+    rtt_us = 0
+    if len(info) >= TCP_INFO_MIN_RTT_OFFSET + 4:
+        rtt_us = struct.unpack_from("=I", info, TCP_INFO_MIN_RTT_OFFSET)[0]
+    if rtt_us in (0, NO_RTT_SAMPLE) and len(info) >= TCP_INFO_RTT_OFFSET + 4:
+        rtt_us = struct.unpack_from("=I", info, TCP_INFO_RTT_OFFSET)[0]
+    return rtt_us / 1e6 if 0 < rtt_us < NO_RTT_SAMPLE else None

@@ -33,6 +33,8 @@ from dilocod.config import (
 if TYPE_CHECKING:
     import ssl
 
+    from dilocod.linkbench.client import RunPlan
+
 CODEC_CHOICES = ("none", "lz4", "zstd")
 
 DEFAULT_PORT = 7070
@@ -232,6 +234,218 @@ def bench_serve(
         sys.stdout.flush()
 
     run(serve(address, secret=secret, ready=ready, stall_timeout_s=stall_timeout_s), use_uvloop=uvloop)
+
+
+def _run_plan_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """What to measure on each link: shared by `bench run` and `bench local`."""
+    options = [
+        click.option("--size", default="256MiB", show_default=True, help="Fragment size per transfer."),
+        click.option(
+            "--streams", default="1,2,4,8", show_default=True, help="Data connection counts to try."
+        ),
+        click.option(
+            "--codec",
+            default="none,lz4,zstd,auto",
+            show_default=True,
+            help="Codecs to try; auto is the one the tuning model picks for this link and data.",
+        ),
+        click.option(
+            "--duration",
+            default="20s",
+            show_default=True,
+            help="Time budget for the timed transfers of one link (each combination runs at least once).",
+        ),
+        click.option(
+            "--data",
+            type=click.Choice(["bf16", "fp32", "random"]),
+            default="bf16",
+            show_default=True,
+            help="Test data: outer-gradient-like bf16 or fp32 values, or incompressible bytes.",
+        ),
+        click.option("--chunk", default="1MiB", show_default=True, help="Chunk size."),
+        click.option(
+            "--threads",
+            type=click.IntRange(1, 256),
+            default=None,
+            help="Threads each end can spend compressing, for the auto codec's model  "
+            "[default: this host's cores; bench local: half, as both ends share them].",
+        ),
+        click.option(
+            "--assumed-rtt",
+            default="50ms",
+            show_default=True,
+            help="WAN round-trip time to check the TCP buffers against (RTT here is far smaller).",
+        ),
+        click.option("--json", "json_out", default=None, metavar="FILE|-", help="Write results as JSON."),
+        click.option(
+            "--plot", "plot_out", type=click.Path(path_type=Path), default=None, help="Write a PNG plot."
+        ),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _run_plan(
+    size: str,
+    streams: str,
+    codec: str,
+    duration: str,
+    data: str,
+    chunk: str,
+    threads: int | None,
+    assumed_rtt: str,
+    vs: str,
+) -> RunPlan:
+    from dilocod.config import parse_duration  # noqa: PLC0415
+    from dilocod.linkbench.client import RunPlan  # noqa: PLC0415
+
+    return RunPlan(
+        size_bytes=_parsed(lambda: parse_size(size, key="--size")),
+        streams=tuple(_parsed(lambda: parse_int_list(streams, key="--streams", low=1, high=64))),
+        codecs=tuple(_parsed(lambda: parse_list(codec, key="--codec", choices=(*CODEC_CHOICES, "auto")))),
+        duration_s=_parsed(lambda: parse_duration(duration, key="--duration")),
+        vs_gloo=vs == "gloo",
+        chunk_bytes=_parsed(lambda: parse_size(chunk, key="--chunk")),
+        data=data,
+        assumed_rtt_s=_parsed(lambda: parse_duration(assumed_rtt, key="--assumed-rtt")),
+        threads=threads,
+    )
+
+
+def _report(
+    document: dict[str, Any], json_out: str | None, plot_out: Path | None, *, table: bool = True
+) -> None:
+    from dilocod.linkbench.report import format_table, plot  # noqa: PLC0415
+
+    if table:
+        click.echo(format_table(document), err=json_out == "-")
+    if json_out == "-":
+        click.echo(json.dumps(document, indent=2))
+    elif json_out:
+        Path(json_out).write_text(json.dumps(document, indent=2) + "\n")
+    if plot_out is not None:
+        skipped = plot(document, plot_out)
+        click.echo(skipped or f"plot written to {plot_out}", err=True)
+
+
+class _Bar:
+    """A progress bar on stderr for `dilocod bench run` (plain lines when stderr is no terminal)."""
+
+    def __init__(self, steps: int, label: str) -> None:
+        self._bar = click.progressbar(
+            length=steps, label=label, file=sys.stderr, item_show_func=lambda item: item, show_eta=False
+        )
+        self._bar.__enter__()
+
+    def note(self, line: str) -> None:
+        click.echo(f"\n{line}" if sys.stderr.isatty() else line, err=True)
+
+    def advance(self, label: str) -> None:
+        self._bar.update(1, label)
+        if not sys.stderr.isatty():
+            click.echo(label, err=True)
+
+    def close(self) -> None:
+        self._bar.__exit__(None, None, None)
+
+
+@bench.command("run")
+@click.option("--target", required=True, help="HOST:PORT of a `dilocod bench serve` at the other end.")
+@secret_option
+@insecure_option
+@_run_plan_options
+@click.option(
+    "--vs",
+    type=click.Choice(["gloo", "none"]),
+    default="none",
+    show_default=True,
+    help="Also time a torch.distributed gloo broadcast of the same bytes over the same path.",
+)
+@click.option(
+    "--save-advice/--no-save-advice",
+    default=True,
+    show_default=True,
+    help="Save the recommendation where `dilocod learner --streams auto --codec auto` reads it.",
+)
+@click.option("--uvloop/--no-uvloop", default=True, show_default=True, help="Use uvloop if installed.")
+@click.option(
+    "--table/--no-table", default=True, hidden=True, help="Print the table (bench local's child: no)."
+)
+def bench_run(
+    target: str,
+    secret_file: Path | None,
+    insecure: bool,
+    vs: str,
+    save_advice: bool,
+    uvloop: bool,
+    table: bool,
+    json_out: str | None,
+    plot_out: Path | None,
+    **plan_flags: Any,
+) -> None:
+    """Measure a link to a `dilocod bench serve`: the raw TCP ceiling beside dilocod fragment pushes
+    for every stream count and codec, the RTT, a push-then-update round trip, optionally gloo, the
+    host's TCP settings against the bandwidth-delay product, and a recommendation for the learner."""
+    from dilocod.linkbench.client import advice_from, figures_of, measure_link  # noqa: PLC0415
+    from dilocod.transport import tuning  # noqa: PLC0415
+    from dilocod.transport.loop import run  # noqa: PLC0415
+
+    address = _parsed(lambda: parse_address(target, key="--target", default_port=DEFAULT_PORT))
+    secret, _ = _credentials(secret_file, insecure, address, listening=False, tls_flags=False)
+    plan = _run_plan(vs=vs, **plan_flags)
+    bar = _Bar(plan.steps(), f"bench {address.host}:{address.port}")
+    try:
+        link = run(
+            measure_link(address.host, address.port, plan, secret=secret, progress=bar), use_uvloop=uvloop
+        )
+    except (OSError, ConnectionError) as exc:
+        bar.close()
+        click.echo(f"dilocod bench run: cannot measure {target}: {exc}", err=True)
+        sys.exit(1)
+    bar.close()
+    document = {"links": [{"rate": "as found", **link}]}
+    _report(document, json_out, plot_out, table=table)
+    if save_advice:
+        path = tuning.save_advice(advice_from(link, figures_of(link)))
+        click.echo(f"recommendation saved to {path}", err=True)
+
+
+@bench.command("local")
+@click.option(
+    "--rate",
+    default="2gbit,5gbit",
+    show_default=True,
+    help="tc rates of the shaped links to build (e.g. 2gbit,5gbit), or loopback.",
+)
+@_run_plan_options
+@click.option(
+    "--vs",
+    type=click.Choice(["gloo", "none"]),
+    default="gloo",
+    show_default=True,
+    help="Also time a torch.distributed gloo broadcast over each link.",
+)
+def bench_local(rate: str, vs: str, json_out: str | None, plot_out: Path | None, **plan_flags: Any) -> None:
+    """WAN links reproduced on this host (root needed): per rate, two network namespaces joined by a
+    veth pair shaped with tc tbf, `bench serve` in one and `bench run` in the other. Everything it
+    makes is removed at the end, also on Ctrl-C and on error."""
+    from dilocod.linkbench.local import LocalBenchError, parse_rate, run_local  # noqa: PLC0415
+
+    try:
+        rates = [parse_rate(r) for r in parse_list(rate, key="--rate")]
+    except (ValueError, ConfigError) as exc:
+        _config_error(f"--rate: {exc}")
+    plan = _run_plan(vs=vs, **plan_flags)
+    try:
+        document = run_local(rates, plan)
+    except LocalBenchError as exc:
+        click.echo(f"dilocod bench local: {exc}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        click.echo("dilocod bench local: interrupted; everything it made is removed", err=True)
+        sys.exit(130)
+    _report(document, json_out, plot_out)
 
 
 @main.command()

@@ -47,6 +47,21 @@ def parse_size(text: str, *, key: str = "size") -> int:
     return value
 
 
+_DURATION_UNITS = {"ms": 1e-3, "s": 1.0, "": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str, *, key: str = "duration") -> float:
+    """'20s', '50ms', '2m', '1.5' (seconds) -> seconds (positive)."""
+    match = _SIZE.match(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _DURATION_UNITS:
+        raise ConfigError(f"{key}: cannot read {text!r} as a duration (examples: 50ms, 20s, 2m)")
+    value = float(match.group(1)) * _DURATION_UNITS[unit]
+    if value <= 0:
+        raise ConfigError(f"{key}: {text!r} must be positive")
+    return value
+
+
 def parse_list(text: str, *, key: str, choices: tuple[str, ...] | None = None) -> list[str]:
     items = [item.strip() for item in text.split(",") if item.strip()]
     if not items:

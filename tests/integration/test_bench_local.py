@@ -1,0 +1,124 @@
+"""`dilocod bench run` and `dilocod bench local` on real processes, real sockets and real network
+namespaces shaped with tc tbf: the JSON has its documented shape, the shaper really caps the link,
+the namespaces are always removed (after a run, when the client fails, on SIGTERM), a wrong secret
+gets nothing, and without root the command says what it needs and makes nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dilocod.linkbench.client import RunPlan
+from dilocod.linkbench.local import PREFIX, LocalBenchError, our_namespaces, run_local
+from dilocod.linkbench.report import schema_errors
+from dilocod.ops.processes import read_ready_line, stop_process
+
+RUN_TIMEOUT_S = 300
+DEADLINE_S = 120.0
+SMALL = ["--size", "8MiB", "--duration", "1s", "--data", "bf16"]
+
+
+def dilocod(*args: str) -> list[str]:
+    return [sys.executable, "-m", "dilocod", *args]
+
+
+def namespaces_of(pid: int) -> list[str]:
+    return [name for name in our_namespaces() if name.startswith(f"{PREFIX}-{pid}-")]
+
+
+@pytest.fixture(autouse=True)
+def _root() -> None:
+    # CI and this project's machines run the suite as root; elsewhere this must not pass silently.
+    assert os.geteuid() == 0, "the local WAN benchmark tests need root (network namespaces and tc)"
+
+
+def test_a_shaped_link_is_measured_and_everything_is_removed(tmp_path: Path) -> None:
+    out = tmp_path / "links.json"
+    command = dilocod("bench", "local", "--rate", "2gbit", "--streams", "1,2", "--codec", "none,zstd,auto")
+    process = subprocess.Popen(
+        [*command, *SMALL, "--json", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    stdout, stderr = process.communicate(timeout=RUN_TIMEOUT_S)
+    assert process.returncode == 0, stderr.decode()
+    assert namespaces_of(process.pid) == []
+    document = json.loads(out.read_text())
+    assert schema_errors(document) == []
+    (link,) = document["links"]
+    assert link["rate"] == "2gbit"
+    # The shaper is in the path: every sender gets most of the tbf rate and none much more (the
+    # bucket lets its 4 MB through at line rate after each pause, a few % of 8 MiB transfers;
+    # the same path unshaped carries ten times as much).
+    assert 1.5 < link["raw_gbps"] < 2.6
+    assert link["gloo_gbps"] is not None and 1.0 < link["gloo_gbps"] < 2.6
+    assert {(r["codec"], r["streams"]) for r in link["runs"]} == {
+        (codec, streams) for codec in ("none", "zstd", "auto") for streams in (1, 2)
+    }
+    for run in link["runs"]:
+        assert run["gbps"] > 0 and run["ratio_to_raw"] > 0
+    zstd = [r["compression_ratio"] for r in link["runs"] if r["codec"] == "zstd"]
+    assert min(zstd) > 1.1  # bf16 gradient-shaped data compresses; random bytes would not
+    assert link["recommendation"]["streams"] in (1, 2)
+    assert link["recommendation"]["codec"] in ("none", "lz4", "zstd")
+    assert link["rtt_ms"] > 0 and link["round_trip_ms"] > 0
+    assert "link 2gbit" in stdout.decode()  # the table for a person (the JSON went to the file)
+
+
+def test_namespaces_are_removed_when_the_client_fails() -> None:
+    # A chunk size of zero is refused by the client's own option check (exit 78) after the
+    # namespaces and the server exist.
+    with pytest.raises(LocalBenchError, match="exited with 78"):
+        run_local(["2gbit"], RunPlan(size_bytes=1 << 20, streams=(1,), codecs=("none",), chunk_bytes=0))
+    assert namespaces_of(os.getpid()) == []
+
+
+def test_sigterm_mid_run_removes_everything() -> None:
+    command = dilocod("bench", "local", "--rate", "2gbit,5gbit", "--size", "64MiB", "--duration", "60s")
+    process = subprocess.Popen(command, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while not namespaces_of(process.pid):
+            assert process.poll() is None, f"bench local exited with {process.returncode} before measuring"
+            assert time.monotonic() < deadline, "bench local made no namespace in time"
+            time.sleep(0.1)  # polling a condition (the namespace list), not waiting out an event
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 130
+    finally:
+        stop_process(process, signal.SIGKILL, timeout_s=10)
+    assert namespaces_of(process.pid) == []
+
+
+def test_a_wrong_secret_gets_nothing(tmp_path: Path) -> None:
+    good, bad = tmp_path / "good", tmp_path / "bad"
+    good.write_text("a" * 64 + "\n")
+    bad.write_text("b" * 64 + "\n")
+    serve = dilocod("bench", "serve", "--listen", "127.0.0.1:0", "--secret-file", str(good), "--ready-json")
+    server = subprocess.Popen(serve, stdout=subprocess.PIPE)
+    try:
+        port = read_ready_line(server, "bench serve")["port"]
+        run = dilocod("bench", "run", "--target", f"127.0.0.1:{port}", "--secret-file", str(bad), *SMALL)
+        done = subprocess.run(
+            [*run, "--no-save-advice"], capture_output=True, timeout=RUN_TIMEOUT_S, check=False
+        )
+        assert done.returncode == 1
+        assert "AUTH_FAILED" in done.stderr.decode()
+        assert done.stdout == b""
+        assert server.poll() is None  # the server goes on
+    finally:
+        assert stop_process(server, timeout_s=10) == 0
+
+
+def test_without_root_it_says_so_and_makes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The euid is the seam: a venv in a root-owned checkout is not always runnable by another user.
+    before = set(our_namespaces())
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(LocalBenchError, match="needs root: run it with sudo"):
+        run_local(["2gbit"], RunPlan(size_bytes=1 << 20))
+    monkeypatch.undo()
+    assert set(our_namespaces()) == before

@@ -1,0 +1,123 @@
+"""The bench's JSON shape check, its table, its rate parsing and the server's gloo request parsing:
+pure functions, fixed inputs."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from dilocod.linkbench.client import RunPlan
+from dilocod.linkbench.local import parse_rate, rate_gbps, run_args
+from dilocod.linkbench.report import format_table, schema_errors
+from dilocod.linkbench.serve import MAX_GLOO_BYTES, parse_gloo_request
+
+GOOD = {
+    "links": [
+        {
+            "rate": "2gbit",
+            "target": "10.200.1.1:7070",
+            "raw_gbps": 1.913,
+            "gloo_gbps": 1.9,
+            "rtt_ms": 0.05,
+            "round_trip_ms": 2300.0,
+            "size_bytes": 256 << 20,
+            "data": "bf16",
+            "runs": [
+                {"codec": "none", "streams": 1, "gbps": 1.85, "ratio_to_raw": 0.97, "compression_ratio": 1.0},
+                {
+                    "codec": "auto",
+                    "chosen": "zstd",
+                    "streams": 4,
+                    "gbps": 2.6,
+                    "ratio_to_raw": 1.36,
+                    "compression_ratio": 1.45,
+                },
+            ],
+            "recommendation": {"streams": 4, "codec": "zstd", "chunk_bytes": 1 << 20, "why": "because"},
+            "warnings": ["raise net.core.rmem_max"],
+        }
+    ]
+}
+
+
+def test_a_conforming_document_has_no_errors() -> None:
+    assert schema_errors(GOOD) == []
+    assert schema_errors(json.loads(json.dumps(GOOD))) == []
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "expected"),
+    [
+        (("raw_gbps",), "fast", "links[0].raw_gbps has type str"),
+        (("gloo_gbps",), True, "links[0].gloo_gbps has type bool"),
+        (("runs", 0, "streams"), 1.5, "links[0].runs[0].streams has type float"),
+        (("recommendation", "codec"), None, "links[0].recommendation.codec has type NoneType"),
+    ],
+)
+def test_a_wrong_type_is_named(path: tuple[object, ...], value: object, expected: str) -> None:
+    document = copy.deepcopy(GOOD)
+    target = document["links"][0]
+    for key in path[:-1]:
+        target = target[key]  # type: ignore[index]
+    target[path[-1]] = value  # type: ignore[index]
+    assert schema_errors(document) == [expected]
+
+
+def test_missing_fields_are_named() -> None:
+    document = copy.deepcopy(GOOD)
+    del document["links"][0]["rtt_ms"]
+    del document["links"][0]["runs"][1]["compression_ratio"]
+    assert schema_errors(document) == [
+        "links[0].rtt_ms is missing",
+        "links[0].runs[1].compression_ratio is missing",
+    ]
+    assert schema_errors({"link": []}) == ['the document must be an object with a "links" list']
+
+
+def test_gloo_may_be_unmeasured_and_the_table_says_so() -> None:
+    document = copy.deepcopy(GOOD)
+    document["links"][0]["gloo_gbps"] = None
+    assert schema_errors(document) == []
+    table = format_table(document)
+    assert "gloo broadcast not measured" in table
+    assert "auto:zstd" in table
+    assert "recommendation: 4 streams, codec zstd, chunks of 1 MiB" in table
+    assert "warning: raise net.core.rmem_max" in table
+
+
+def test_rates() -> None:
+    assert parse_rate("2gbit") == "2gbit"
+    assert parse_rate(" 500Mbit ") == "500mbit"
+    assert parse_rate("loopback") == "loopback"
+    assert rate_gbps("2gbit") == 2.0
+    assert rate_gbps("500mbit") == 0.5
+    assert rate_gbps("loopback") is None
+    with pytest.raises(ValueError, match="not a tc rate"):
+        parse_rate("2 gigabit")
+
+
+def test_the_child_run_gets_the_whole_plan() -> None:
+    plan = RunPlan(size_bytes=1 << 24, streams=(1, 4), codecs=("none", "auto"), duration_s=3.0, vs_gloo=True)
+    args = run_args(plan)
+    assert args[args.index("--size") + 1] == str(1 << 24)
+    assert args[args.index("--streams") + 1] == "1,4"
+    assert args[args.index("--codec") + 1] == "none,auto"
+    assert args[args.index("--vs") + 1] == "gloo"
+    assert args[args.index("--assumed-rtt") + 1] == "50.0ms"
+
+
+def test_a_gloo_request_is_checked_before_anything_starts() -> None:
+    ok = json.dumps({"master": "10.0.0.2:4000", "size": 1 << 20, "repeats": 3}).encode()
+    assert parse_gloo_request(ok) == ("10.0.0.2:4000", 1 << 20, 3)
+    bad = [
+        (b"\xff\xfe", "not JSON"),
+        (b"[1, 2]", "not a JSON object"),
+        (json.dumps({"master": "nowhere", "size": 8, "repeats": 1}).encode(), "master must be HOST:PORT"),
+        (json.dumps({"master": "h:1", "size": MAX_GLOO_BYTES + 1, "repeats": 1}).encode(), "size must be"),
+        (json.dumps({"master": "h:1", "size": 8, "repeats": 0}).encode(), "repeats must be"),
+    ]
+    for body, message in bad:
+        with pytest.raises(ValueError, match=message):
+            parse_gloo_request(body)

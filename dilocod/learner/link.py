@@ -7,6 +7,13 @@ snapshot the training thread took at a step boundary, in a worker thread, with t
 computed in the same pass over the bytes (the session then hashes nothing). Failures that no
 reconnect can fix (the syncer's model is not ours, wrong credentials, no common protocol version)
 are posted to the training thread as fatal.
+
+--streams auto and --codec auto: the advice `dilocod bench` saved for this syncer when there is
+some (LinkConfig.advice); otherwise the stream count is chosen for every session from the RTT the
+kernel measured on its control connection (enough streams for AUTO_RATE_GBPS), and the codec by a
+tuning.CodecTuner from codec figures measured (in the push worker thread) on the first outer
+gradient of at least one step and MIN_PERIOD_BYTES, and from the throughput pushes achieve. Every
+choice is logged with its reason.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import ssl
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from typing import Literal
 
 import structlog
 import torch
@@ -29,6 +37,18 @@ from dilocod.transport.endpoints import connect
 from dilocod.transport.errors import HandshakeFailed, SessionClosed, TransferFailed
 from dilocod.transport.options import TransportOptions
 from dilocod.transport.session import FragmentReceived, Session
+from dilocod.transport.tuning import (
+    Advice,
+    CodecChoice,
+    CodecFigure,
+    CodecTuner,
+    PushMeter,
+    bdp_warning,
+    choose_streams,
+    measure_codecs,
+    read_tcp_settings,
+    spread_sample,
+)
 from dilocod.wire.codecs import chunk_checksums
 from dilocod.wire.errors import ErrorCode
 from dilocod.wire.manifest import ModelEntry, TensorEntry, pack_manifest
@@ -45,6 +65,25 @@ FATAL_CODES = {
 }
 
 
+#: --streams auto without advice: the rate the stream count is planned for (the top of the 2-5
+#: Gbit/s links dilocod is built for); at least two data connections, so that losing one leaves
+#: another to resend its chunks on, and at most 16.
+AUTO_RATE_GBPS = 5.0
+AUTO_MIN_STREAMS = 2
+AUTO_MAX_STREAMS = 16
+#: --codec auto: push periods that carried less say more about latency than about the link rate,
+#: and are not counted; a model whose fragments are smaller stays uncompressed, and its codecs are
+#: not even timed.
+MIN_PERIOD_BYTES = 8 << 20
+#: --codec auto: the codecs are timed on this much of the first outer gradient, each for at least
+#: CODEC_MIN_SECONDS: about 0.2 s of the push worker thread, once, which delays that one push's
+#: successor at most.
+CODEC_SAMPLE_BYTES = 8 << 20
+CODEC_MIN_SECONDS = 0.05
+#: Byte-plane shuffle of compressed pushes (float32 items; it still groups bytes of narrower ones).
+PUSH_SHUFFLE = 4
+
+
 class FatalLinkError(Exception):
     """The learner cannot work with this syncer as configured."""
 
@@ -57,8 +96,12 @@ class LinkConfig:
     secret: bytes | None
     #: Mutual TLS around every connection to the syncer, or None.
     tls: ssl.SSLContext | None = None
-    streams: int = 4
+    #: Data connections, or "auto" (the advice's count, else chosen per session from its RTT).
+    streams: int | Literal["auto"] = 4
+    #: Codec of pushes: none, lz4, zstd, or "auto" (the advice's, else tuned while pushing).
     codec: str = "none"
+    #: What `dilocod bench` saved for this syncer (tuning.load_advice): used by the "auto" values.
+    advice: Advice | None = None
     #: Wire precision of outer gradients (dilocod.precision): fp32, bf16, int8 or int4.
     precision: str = "fp32"
     chunk_bytes: int = 1 << 20
@@ -78,6 +121,9 @@ class LinkStats:
     bytes_received: int = 0
     last_push_to_update_s: float | None = None
     incarnation: str = ""
+    #: Data connections of the current session, and the codec pushes use now.
+    streams: int = 0
+    codec: str = ""
 
 
 def compute_push(
@@ -104,6 +150,15 @@ def compute_push(
     return manifest, out, chunk_checksums(out, chunk_bytes)
 
 
+def codec_figures(data: bytearray, chunk_bytes: int) -> list[CodecFigure]:
+    """The codecs timed on a spread of whole chunks of an outer gradient, as pushes compress them.
+    Runs in the push worker thread."""
+    sample = spread_sample(data, chunk_bytes, CODEC_SAMPLE_BYTES)
+    return measure_codecs(
+        sample, chunk_bytes=chunk_bytes, shuffle_item_size=PUSH_SHUFFLE, min_seconds=CODEC_MIN_SECONDS
+    )
+
+
 class Link:
     """Run with `await link.run(stop)` on the network thread's loop."""
 
@@ -122,6 +177,41 @@ class Link:
         #: Error-feedback residuals of the lossy precisions, per fragment (push worker only).
         self._residuals: dict[int, list[torch.Tensor]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._options = TransportOptions(chunk_bytes=config.chunk_bytes)
+        self._meter = PushMeter(min_bytes=MIN_PERIOD_BYTES)
+        self._measuring = False
+        self._streams, self._codec, self._tuner = self._resolve_auto()
+        self.stats.codec = self._codec
+
+    def _resolve_auto(self) -> tuple[int | None, str, CodecTuner | None]:
+        """Explicit values win; "auto" takes the saved advice, else is left to measurements:
+        streams None (chosen per session), codec "none" with a CodecTuner."""
+        config, advice = self.config, self.config.advice
+        source = (
+            f"dilocod bench against {advice.target or 'any syncer'} at {advice.measured_at}" if advice else ""
+        )
+        streams: int | None = None
+        if config.streams != "auto":
+            streams = int(config.streams)
+        elif advice is not None:
+            streams = advice.streams
+            log.info(
+                "streams chosen",
+                streams=streams,
+                source="advice",
+                reason=f"{source}: {advice.rate_gbps:.2f} Gbit/s at {advice.rtt_ms:.3g} ms RTT",
+            )
+        if config.codec != "auto":
+            return streams, config.codec, None
+        if advice is not None:
+            log.info(
+                "codec chosen",
+                codec=advice.codec,
+                source="advice",
+                reason=f"{source}, for a {advice.rate_gbps:.2f} Gbit/s link",
+            )
+            return streams, advice.codec, None
+        return streams, "none", CodecTuner(threads=self._options.codec_threads)
 
     async def run(self, stop: asyncio.Event) -> None:
         self._loop = asyncio.get_running_loop()
@@ -153,7 +243,9 @@ class Link:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _one_session(self, stop: asyncio.Event) -> None:
-        options = TransportOptions(chunk_bytes=self.config.chunk_bytes)
+        auto = None
+        if self._streams is None:
+            auto = partial(self._auto_streams, asyncio.get_running_loop().time())
         try:
             session = await connect(
                 self.config.host,
@@ -162,8 +254,9 @@ class Link:
                 role="learner",
                 secret=self.config.secret,
                 ssl=self.config.tls,
-                streams=self.config.streams,
-                options=options,
+                streams=self._streams or 0,
+                options=self._options,
+                data_streams=auto,
             )
         except HandshakeFailed as exc:
             if exc.code in FATAL_CODES:
@@ -171,6 +264,7 @@ class Link:
             raise
         self.session = session
         self.stats.sessions += 1
+        self.stats.streams = len(session.data)
         try:
             await session.send(Join(self.model, self.incarnation))
             try:
@@ -204,6 +298,35 @@ class Link:
             self.stats.connected = False
             self.session = None
             await session.close("learner leaving" if stop.is_set() else "learner reconnecting")
+
+    def _auto_streams(self, dialled_s: float, session: Session) -> int:
+        """--streams auto without advice: enough data connections to keep AUTO_RATE_GBPS x RTT in
+        flight with this host's TCP windows, the RTT as the kernel measured it on the control
+        connection. Where the kernel does not say, the time the control connection took to open
+        stands in: a few round trips, so more streams than needed, the cheaper mistake."""
+        rtt_s, measured_by = session.round_trip_s(), "kernel"
+        if rtt_s is None:
+            rtt_s, measured_by = asyncio.get_running_loop().time() - dialled_s, "connect time"
+        settings = read_tcp_settings()
+        choice = choose_streams(
+            AUTO_RATE_GBPS,
+            rtt_s,
+            settings.max_window_bytes,
+            min_streams=AUTO_MIN_STREAMS,
+            max_streams=AUTO_MAX_STREAMS,
+        )
+        warning = bdp_warning(AUTO_RATE_GBPS, rtt_s, settings, choice.streams)
+        (log.warning if warning else log.info)(
+            "streams chosen",
+            streams=choice.streams,
+            source="rtt",
+            rtt_ms=round(rtt_s * 1e3, 3),
+            rtt_from=measured_by,
+            per_stream_gbps=round(choice.per_stream_gbps, 3),
+            reason=choice.reason,
+            sysctl=warning,
+        )
+        return choice.streams
 
     def _adopt_plan(self, plan: Plan) -> None:
         shapes = {e.name: e.shape for e in plan.model}
@@ -265,10 +388,18 @@ class Link:
             compute_push, snapshot, layout, self.config.chunk_bytes, self.config.precision, residual
         )
         manifest, data, checksums = await loop.run_in_executor(self._executor, work)
+        if (
+            self._tuner is not None
+            and not self._measuring
+            and snapshot.c_steps > 0  # a gradient of no steps is all zeros: any codec looks perfect
+            and len(data) >= MIN_PERIOD_BYTES
+        ):
+            self._measure_codecs(loop, data)
+        codec = self._tuner.next_codec() if self._tuner is not None else self._codec
         header = PushHeader(
             manifest,
             len(data),
-            self.config.codec,
+            codec,
             self.config.chunk_bytes,
             fragment=snapshot.fragment,
             round=snapshot.round,
@@ -276,15 +407,64 @@ class Link:
             c_steps=snapshot.c_steps,
             c_tokens=snapshot.c_tokens,
         )
-        shuffle = 4 if self.config.codec != "none" else 0
+        shuffle = PUSH_SHUFFLE if codec != "none" else 0
+        self._meter.started(loop.time(), codec)
+        sent: int | None = None
         try:
             self._pushed_at[snapshot.fragment] = loop.time()
             await session.send_fragment(header, data, shuffle_item_size=shuffle, checksums=checksums)
+            sent = len(data)
         except TransferFailed as exc:
             self.stats.pushes_refused += 1
             log.warning("push refused", fragment=snapshot.fragment, round=snapshot.round, reason=str(exc))
             return
         except SessionClosed:
             return  # the round goes on without this push; the next session heals
+        finally:
+            self._push_ended(loop.time(), sent, session)
         self.stats.pushes_sent += 1
         self.stats.bytes_sent += len(data)
+
+    # ------------------------------------------------------------- --codec auto
+
+    def _measure_codecs(self, loop: asyncio.AbstractEventLoop, data: bytearray) -> None:
+        """Time the codecs on this outer gradient in the push worker thread, once. The push does
+        not wait for it: the next push's gradient is computed after it, in the same thread."""
+        self._measuring = True
+        future = loop.run_in_executor(self._executor, codec_figures, data, self.config.chunk_bytes)
+        future.add_done_callback(self._codecs_measured)
+
+    def _codecs_measured(self, future: asyncio.Future[list[CodecFigure]]) -> None:
+        if future.cancelled() or self._tuner is None:
+            return
+        exc = future.exception()
+        if exc is not None:  # a bug, not a condition: say so and stay uncompressed
+            log.error("codec figures not measured: pushes stay uncompressed", error=repr(exc))
+            return
+        figures = future.result()
+        log.info(
+            "codec figures measured",
+            figures={
+                f.codec: {"ratio": round(f.ratio, 3), "compress_gbps": round(f.compress_gbps, 2)}
+                for f in figures
+                if f.codec != "none"
+            },
+        )
+        self._codec_chosen(self._tuner.figures_measured(figures))
+
+    def _push_ended(self, now_s: float, raw_bytes: int | None, session: Session) -> None:
+        period = self._meter.finished(now_s, raw_bytes, session.round_trip_s() or 0.0)
+        if period is not None and self._tuner is not None:
+            self._codec_chosen(self._tuner.push_done(period))
+
+    def _codec_chosen(self, choice: CodecChoice | None) -> None:
+        if choice is None:
+            return
+        self._codec = self.stats.codec = choice.codec
+        log.info(
+            "codec chosen",
+            codec=choice.codec,
+            source="measured",
+            predicted_gbps=round(choice.predicted_gbps, 3),
+            reason=choice.reason,
+        )

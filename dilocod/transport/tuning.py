@@ -131,11 +131,12 @@ def choose_codec(
             f"{best.codec} predicted {best_gbps:.2f} Gbit/s of raw data against {link_gbps:.2f} "
             f"uncompressed ({why})",
         )
+    verdict = "slower" if best_gbps < link_gbps else f"less than {100 * (margin - 1):.0f} % faster"
     return CodecChoice(
         "none",
         link_gbps,
         f"uncompressed at {link_gbps:.2f} Gbit/s: the best codec, {best.codec}, predicted "
-        f"{best_gbps:.2f} ({why}), less than {100 * (margin - 1):.0f} % better",
+        f"{best_gbps:.2f} ({why}), {verdict}",
     )
 
 
@@ -307,9 +308,14 @@ class PushPeriod:
 class PushMeter:
     """Turns overlapping pushes into busy periods: from the start of the first push in flight to
     the end of the last, with the raw bytes of all of them. Two pushes that share the link each
-    see half of it; the period sees all of it. A period with a failed push, or with pushes of
-    different codecs, measures nothing and is dropped. Time is passed in (now_s)."""
+    see half of it; the period sees all of it. A push ends with the receiver's acknowledgement, a
+    round trip after its last byte left, so one RTT (at most half the period) is taken off.
 
+    A period measures nothing, and is dropped, when a push in it failed, when it mixes codecs, or
+    when it carried less than min_bytes: small pushes say more about latency than about the rate.
+    Time is passed in (now_s)."""
+
+    min_bytes: int = 0
     _in_flight: int = 0
     _started_s: float = 0.0
     _raw_bytes: int = 0
@@ -323,8 +329,9 @@ class PushMeter:
         self._in_flight += 1
         self._codecs.add(codec)
 
-    def finished(self, now_s: float, raw_bytes: int | None) -> PushPeriod | None:
-        """A push ended, with its raw size, or None if it failed. Returns the period it closes."""
+    def finished(self, now_s: float, raw_bytes: int | None, rtt_s: float = 0.0) -> PushPeriod | None:
+        """A push ended, with its raw size, or None if it failed. Returns the period it closes, if
+        that measures anything."""
         if self._in_flight == 0:
             raise ValueError("finished() without started()")
         self._in_flight -= 1
@@ -334,7 +341,10 @@ class PushMeter:
             self._raw_bytes += raw_bytes
         if self._in_flight or self._spoiled or len(self._codecs) != 1 or now_s <= self._started_s:
             return None
-        return PushPeriod(next(iter(self._codecs)), self._raw_bytes, now_s - self._started_s)
+        if self._raw_bytes < self.min_bytes:
+            return None
+        seconds = now_s - self._started_s
+        return PushPeriod(next(iter(self._codecs)), self._raw_bytes, max(seconds - rtt_s, seconds / 2))
 
 
 @dataclass(slots=True)
@@ -357,7 +367,8 @@ class CodecTuner:
       the link rate changes, and the next best (often none) is chosen. This is what keeps auto
       near uncompressed at worst when the model's CPU figures are too optimistic.
 
-    Every method that chooses returns the CodecChoice (to be logged), else None.
+    Methods return a CodecChoice (to be logged) for the first choice and for every change of
+    codec, else None: a re-evaluation that keeps the codec only moves the planned link rate.
     """
 
     threads: int
@@ -385,7 +396,7 @@ class CodecTuner:
         link = self.link_gbps()
         if link is None or self.planned_link_gbps is not None:
             return None  # the first push period makes the first choice
-        return self._choose(link, "first choice")
+        return self._choose(link, "first choice", always=True)
 
     def next_codec(self) -> str:
         """The codec of the next push: the current one, or none as a probe of the link."""
@@ -414,7 +425,7 @@ class CodecTuner:
         if not self.figures or link is None:
             return None
         if self.planned_link_gbps is None:
-            return self._choose(link, "first choice")
+            return self._choose(link, "first choice", always=True)
         if self.pushes < self.min_pushes:
             return None
         return self._check(link)
@@ -454,13 +465,19 @@ class CodecTuner:
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.ema_weight * (new - old)
 
-    def _choose(self, link_gbps: float, why: str) -> CodecChoice:
+    def _choose(self, link_gbps: float, why: str, *, always: bool = False) -> CodecChoice | None:
         candidates = [f for f in self.figures if f.codec not in self.ruled_out]
         choice = choose_codec(candidates, link_gbps, self.threads, self.margin)
         self.planned_link_gbps = link_gbps
+        if choice.codec == self.codec and not always:
+            return None
         if choice.codec != self.codec:
             self.codec, self.ema_gbps, self.pushes, self.since_probe = choice.codec, None, 0, 0
-        return CodecChoice(choice.codec, choice.predicted_gbps, f"{why}: {choice.reason}")
+        reason = choice.reason
+        if self.ruled_out and all(f.codec == "none" for f in candidates):
+            out = " and ".join(sorted(self.ruled_out))
+            reason = f"uncompressed at {link_gbps:.2f} Gbit/s: {out} did worse than uncompressed here"
+        return CodecChoice(choice.codec, choice.predicted_gbps, f"{why}: {reason}")
 
 
 def spread_sample(data: wire_codecs.Buffer, chunk_bytes: int, max_bytes: int) -> bytes:

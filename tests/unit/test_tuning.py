@@ -79,7 +79,7 @@ def test_compressible_data_on_a_fast_link_is_bound_by_the_cpu() -> None:
     # 40 Gbit/s: zstd could only feed 6, lz4 12; both lose to the link itself.
     choice = choose_codec(COMPRESSIBLE, 40.0, threads=2)
     assert choice.codec == "none"
-    assert "lz4" in choice.reason  # the best loser is named
+    assert "lz4" in choice.reason and "slower" in choice.reason  # the best loser is named
 
 
 def test_the_model_terms() -> None:
@@ -94,7 +94,8 @@ def test_the_model_terms() -> None:
 
 def test_a_compressor_must_beat_uncompressed_by_the_margin() -> None:
     slight = [NONE, CodecFigure("zstd", 1.02, 100.0, 100.0)]  # 2 % better on a 2 Gbit/s link
-    assert choose_codec(slight, 2.0, 2).codec == "none"  # default margin 1.03
+    held_back = choose_codec(slight, 2.0, 2)  # default margin 1.03
+    assert held_back.codec == "none" and "less than 3 % faster" in held_back.reason
     assert choose_codec(slight, 2.0, 2, margin=1.01).codec == "zstd"
     assert choose_codec(slight, 2.0, 2, margin=1.0).codec == "zstd"
 
@@ -397,7 +398,7 @@ def test_the_tuner_chooses_again_when_the_link_rate_moves() -> None:
     assert _run_link(tuner, 40.0, COMPRESSIBLE, 1) == []
     assert tuner.figures_measured(COMPRESSIBLE).codec == "none"  # type: ignore[union-attr]
     made = _run_link(tuner, 2.0, COMPRESSIBLE, 20)  # the link slows to 2 Gbit/s
-    assert made and "moved from 40.00" in made[0].reason
+    assert made and "moved from" in made[0].reason
     assert tuner.codec == "zstd"  # settled: the best at 2 Gbit/s
     assert _run_link(tuner, 2.0, COMPRESSIBLE, 20) == []  # and stays
     made = _run_link(tuner, 40.0, COMPRESSIBLE, 20)  # back to 40: compression would hold it back
@@ -413,7 +414,24 @@ def test_a_cpu_bound_compressor_is_probed_and_dropped_without_flapping() -> None
     assert tuner.figures_measured(on_paper).codec == "zstd"  # type: ignore[union-attr]
     made = _run_link(tuner, 4.0, truth, 200)
     assert [c.codec for c in made] == ["none"]  # one correction, then quiet
+    assert "zstd did worse than uncompressed" in made[0].reason
     assert tuner.codec == "none" and tuner.ruled_out == {"zstd"}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_noisy_pushes_on_a_steady_link_change_the_codec_rarely(seed: int) -> None:
+    rng = random.Random(seed)
+    on_paper = [NONE, CodecFigure("zstd", 1.10, 5.0, 20.0)]  # 4.4 against 4.0: a near tie
+    truth = {"none": NONE, "zstd": CodecFigure("zstd", 1.05, 5.0, 20.0)}
+    tuner = CodecTuner(threads=2)
+    tuner.push_done(_period("none", 4.0))
+    tuner.figures_measured(on_paper)
+    changes = 0
+    for _ in range(500):
+        codec = tuner.next_codec()
+        achieved = predicted_gbps(truth[codec], 4.0, 2) * rng.uniform(0.8, 1.2)  # +-20 % per push
+        changes += tuner.push_done(_period(codec, achieved)) is not None
+    assert changes <= 3
 
 
 def test_a_compressor_is_probed_uncompressed_now_and_then() -> None:
@@ -451,6 +469,16 @@ def test_the_push_meter_measures_busy_periods() -> None:
     assert meter.finished(31.0, 50) == PushPeriod("zstd", 50, 1.0)
     with pytest.raises(ValueError):
         meter.finished(32.0, 1)
+
+
+def test_the_push_meter_drops_small_periods_and_the_ack_round_trip() -> None:
+    meter = PushMeter(min_bytes=1000)
+    meter.started(0.0, "none")
+    assert meter.finished(1.0, 999) is None  # latency, not rate
+    meter.started(2.0, "none")
+    assert meter.finished(4.0, 1000, rtt_s=0.5) == PushPeriod("none", 1000, 1.5)
+    meter.started(5.0, "none")
+    assert meter.finished(6.0, 1000, rtt_s=3.0) == PushPeriod("none", 1000, 0.5)  # at most half
 
 
 def test_spread_sample_takes_whole_chunks_across_the_data() -> None:

@@ -578,8 +578,18 @@ def export(state_dir: Path, out: Path) -> None:
 @click.option("--state-dir", help="Where the local state (model, inner optimizer, data cursor) is kept.")
 @click.option("--device", help="cuda, cuda:N or cpu.  [default: cuda if available, else cpu]")
 @click.option("--steps", help="Stop after this many inner steps (default: run until stopped).")
-@click.option("--streams", help="Data connections to the syncer, or auto.  [default: auto = 4]")
-@click.option("--codec", help="Codec of pushes: auto, none, lz4 or zstd.  [default: auto = none]")
+@click.option(
+    "--streams",
+    help="Data connections to the syncer (0-64), or auto: the count `dilocod bench run` saved for "
+    "this syncer, else enough to carry 5 Gbit/s at the RTT measured on connecting (2-16).  "
+    "[default: auto]",
+)
+@click.option(
+    "--codec",
+    help="Codec of pushes: none, lz4, zstd, or auto: the one `dilocod bench run` saved for this "
+    "syncer, else chosen from codec speeds measured on the first outer gradient and the push "
+    "throughput, and chosen again when the link rate moves.  [default: auto]",
+)
 @click.option(
     "--precision",
     help="Outer gradients on the wire: fp32, bf16, int8 or int4 (error feedback).  [default: fp32]",
@@ -623,6 +633,11 @@ def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: An
         config.secret_file, config.insecure, config.syncer, listening=False, tls=tls
     )
     configure_logging()
+    advice = None
+    if "auto" in (config.streams, config.codec):
+        from dilocod.transport.tuning import load_advice  # noqa: PLC0415
+
+        advice = load_advice(str(config.syncer))  # None (a warning if unusable): the learner measures
     import torch  # noqa: PLC0415 - after the cheap checks, so typos fail fast
 
     from dilocod.learner.daemon import LearnerSetup, LearnerSetupError, run_learner  # noqa: PLC0415
@@ -653,8 +668,9 @@ def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: An
             learner_id=config.id,
             secret=secret,
             tls=context,
-            streams=4 if config.streams == "auto" else int(config.streams),
-            codec="none" if config.codec == "auto" else config.codec,
+            streams="auto" if config.streams == "auto" else int(config.streams),
+            codec=config.codec,
+            advice=advice,
             precision=config.precision,
             chunk_bytes=config.chunk,
             join_timeout_s=config.join_timeout_s,

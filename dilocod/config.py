@@ -356,9 +356,11 @@ class LearnerConfig:
     #: "auto" picks cuda when this host has it, else cpu.
     device: str = "auto"
     steps: int | None = None
-    #: Data connections to the syncer; "auto" = 4 until `dilocod bench` recommends a number.
+    #: Data connections to the syncer; "auto": what `dilocod bench run` saved for this syncer,
+    #: else enough for 5 Gbit/s at the RTT measured on connecting (dilocod.learner.link).
     streams: int | str = "auto"
-    #: Codec of pushes; "auto" = none until `dilocod bench` recommends one.
+    #: Codec of pushes; "auto": what `dilocod bench run` saved for this syncer, else tuned on the
+    #: learner's own outer gradients and push throughput (dilocod.transport.tuning.CodecTuner).
     codec: str = "auto"
     precision: str = "fp32"
     apply: str = "overwrite"

@@ -368,6 +368,13 @@ class _Bar:
     show_default=True,
     help="Save the recommendation where `dilocod learner --streams auto --codec auto` reads it.",
 )
+@click.option(
+    "--advice-for",
+    default="",
+    metavar="HOST:PORT",
+    help="The syncer address learners dial over this link, to save the advice for (a learner takes "
+    "the advice saved for its exact --syncer, else the one saved for any syncer).  [default: any]",
+)
 @click.option("--uvloop/--no-uvloop", default=True, show_default=True, help="Use uvloop if installed.")
 @click.option(
     "--table/--no-table", default=True, hidden=True, help="Print the table (bench local's child: no)."
@@ -378,6 +385,7 @@ def bench_run(
     insecure: bool,
     vs: str,
     save_advice: bool,
+    advice_for: str,
     uvloop: bool,
     table: bool,
     json_out: str | None,
@@ -392,6 +400,11 @@ def bench_run(
     from dilocod.transport.loop import run  # noqa: PLC0415
 
     address = _parsed(lambda: parse_address(target, key="--target", default_port=DEFAULT_PORT))
+    for_syncer = (
+        str(_parsed(lambda: parse_address(advice_for, key="--advice-for", default_port=DEFAULT_PORT)))
+        if advice_for
+        else ""
+    )
     secret, _ = _credentials(secret_file, insecure, address, listening=False, tls_flags=False)
     plan = _run_plan(vs=vs, **plan_flags)
     bar = _Bar(plan.steps(), f"bench {address.host}:{address.port}")
@@ -407,8 +420,8 @@ def bench_run(
     document = {"links": [{"rate": "as found", **link}]}
     _report(document, json_out, plot_out, table=table)
     if save_advice:
-        path = tuning.save_advice(advice_from(link, figures_of(link)))
-        click.echo(f"recommendation saved to {path}", err=True)
+        path = tuning.save_advice(advice_from(link, figures_of(link), for_syncer))
+        click.echo(f"recommendation saved to {path} for {for_syncer or 'any syncer'}", err=True)
 
 
 @bench.command("local")

@@ -335,7 +335,7 @@ async def measure_link(
         if w is not None
     ]
     return {
-        "target": f"{host}:{port}",
+        "target": f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
         "raw_gbps": raw_gbps,
         "raw": [{"streams": s, "gbps": g} for s, g in raw_by_streams.items()],
         "gloo_gbps": gloo_gbps,
@@ -382,10 +382,12 @@ def recommend(
     }
 
 
-def advice_from(link: dict[str, Any], figures: list[tuning.CodecFigure]) -> tuning.Advice:
+def advice_from(link: dict[str, Any], figures: list[tuning.CodecFigure], target: str = "") -> tuning.Advice:
+    """The learner's advice from a measured link, saved for the syncer address `target` ("" = any
+    syncer: the bench server usually listens on another port, or host, than the syncer)."""
     rec = link["recommendation"]
     return tuning.Advice(
-        target=link["target"],
+        target=target,
         rate_gbps=link["raw_gbps"],
         rtt_ms=link["rtt_ms"],
         streams=rec["streams"],

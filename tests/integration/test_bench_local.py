@@ -19,6 +19,7 @@ from dilocod.linkbench.client import RunPlan
 from dilocod.linkbench.local import PREFIX, LocalBenchError, our_namespaces, run_local
 from dilocod.linkbench.report import schema_errors
 from dilocod.ops.processes import read_ready_line, stop_process
+from dilocod.transport.tuning import load_advice
 
 RUN_TIMEOUT_S = 300
 DEADLINE_S = 120.0
@@ -112,6 +113,31 @@ def test_a_wrong_secret_gets_nothing(tmp_path: Path) -> None:
         assert server.poll() is None  # the server goes on
     finally:
         assert stop_process(server, timeout_s=10) == 0
+
+
+def test_bench_run_saves_advice_for_the_syncer_named(tmp_path: Path) -> None:
+    secret, advice = tmp_path / "secret", tmp_path / "advice.json"
+    secret.write_text("c" * 64 + "\n")
+    serve = dilocod("bench", "serve", "--listen", "127.0.0.1:0", "--secret-file", str(secret), "--ready-json")
+    server = subprocess.Popen(serve, stdout=subprocess.PIPE)
+    try:
+        port = read_ready_line(server, "bench serve")["port"]
+        run = dilocod("bench", "run", "--target", f"127.0.0.1:{port}", "--secret-file", str(secret), *SMALL)
+        run += ["--streams", "1", "--codec", "none,auto", "--advice-for", "10.1.2.3:7070", "--json", "-"]
+        env = {**os.environ, "DILOCOD_ADVICE": str(advice)}
+        done = subprocess.run(run, capture_output=True, timeout=RUN_TIMEOUT_S, check=False, env=env)
+        assert done.returncode == 0, done.stderr.decode()
+    finally:
+        assert stop_process(server, timeout_s=10) == 0
+    document = json.loads(done.stdout)
+    assert schema_errors(document) == []
+    assert document["links"][0]["rate"] == "as found"
+    saved = load_advice("10.1.2.3:7070", advice)
+    assert saved is not None and saved.target == "10.1.2.3:7070"
+    recommendation = document["links"][0]["recommendation"]
+    assert (saved.streams, saved.codec) == (recommendation["streams"], recommendation["codec"])
+    assert load_advice("10.9.9.9:7070", advice) is None  # saved for one syncer, not for any
+    assert f"saved to {advice} for 10.1.2.3:7070" in done.stderr.decode()
 
 
 def test_without_root_it_says_so_and_makes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:

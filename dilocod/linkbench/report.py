@@ -134,3 +134,27 @@ def plot(document: dict[str, Any], path: Path) -> str | None:
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m dilocod.linkbench.report LINKS.json OUT.png`: the plot of a saved run, on any
+    machine that has matplotlib (the measuring hosts need not)."""
+    import json  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m dilocod.linkbench.report LINKS.json OUT.png", file=sys.stderr)
+        return 2
+    document = json.loads(Path(args[0]).read_text())
+    errors = schema_errors(document)
+    if errors:
+        print(f"{args[0]}: not a dilocod bench document: {'; '.join(errors)}", file=sys.stderr)
+        return 1
+    skipped = plot(document, Path(args[1]))
+    print(skipped or f"plot written to {args[1]}", file=sys.stderr)
+    return 1 if skipped else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

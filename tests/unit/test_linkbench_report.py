@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 
 from dilocod.linkbench.client import RunPlan
 from dilocod.linkbench.local import parse_rate, rate_gbps, run_args
 from dilocod.linkbench.report import format_table, schema_errors
+from dilocod.linkbench.report import main as report_main
 from dilocod.linkbench.serve import MAX_GLOO_BYTES, parse_gloo_request
 
 GOOD = {
@@ -121,3 +123,14 @@ def test_a_gloo_request_is_checked_before_anything_starts() -> None:
     for body, message in bad:
         with pytest.raises(ValueError, match=message):
             parse_gloo_request(body)
+
+
+def test_replotting_a_saved_run_checks_the_document(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"links": [{"rate": "2gbit"}]}))
+    assert report_main([str(bad), str(tmp_path / "out.png")]) == 1
+    assert "not a dilocod bench document: links[0].raw_gbps is missing" in capsys.readouterr().err
+    assert not (tmp_path / "out.png").exists()
+    assert report_main([str(bad)]) == 2

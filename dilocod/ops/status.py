@@ -57,13 +57,15 @@ def format_status(status: dict[str, Any]) -> str:
         "",
         "fragment versions: " + " ".join(f"{f['index']}:{f['version']}" for f in status["fragments"]),
         "",
-        f"{'learner':<20} {'connected':>9} {'steps/s':>8} {'steps':>8} {'merged':>7} {'weight share':>13}",
+        f"{'learner':<20} {'connected':>9} {'steps/s':>8} {'steps':>8} {'merged':>7} {'weight share':>13} "
+        f"{'goodput':>8}",
     ]
     for learner in status["learners"]:
         connected = "yes" if learner["connected"] else "no"
         lines.append(
             f"{learner['id']:<20} {connected:>9} {learner['steps_per_s']:>8.2f} {learner.get('steps', 0):>8} "
-            f"{learner['contributions']:>7} {learner['weight_share']:>13.1%}"
+            f"{learner['contributions']:>7} {learner['weight_share']:>13.1%} "
+            f"{learner.get('goodput', 0.0):>8.1%}"
         )
     if not status["learners"]:
         lines.append("(no learner has joined yet)")

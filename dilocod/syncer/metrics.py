@@ -26,12 +26,18 @@ def render_syncer_metrics(status: dict[str, Any]) -> str:
     )
     share = registry.gauge("dilocod_learner_weight_share", "Share of all merge weight so far.", ("learner",))
     rate = registry.gauge("dilocod_learner_steps_per_second", "Running mean of the step rate.", ("learner",))
+    goodput = registry.gauge(
+        "dilocod_learner_goodput_ratio",
+        "Reported step time over wall time since the learner id first joined.",
+        ("learner",),
+    )
     for learner in status["learners"]:
         name = learner["id"]
         connected.labels(learner=name).set(1.0 if learner["connected"] else 0.0)
         contributions.labels(learner=name).inc(learner["contributions"])
         share.labels(learner=name).set(learner["weight_share"])
         rate.labels(learner=name).set(learner["steps_per_s"])
+        goodput.labels(learner=name).set(learner["goodput"])
     registry.counter("dilocod_rounds_merged_total", "Rounds merged.").inc(status["rounds_merged"])
     registry.counter("dilocod_rounds_abandoned_total", "Rounds dropped without a merge.").inc(
         status["rounds_abandoned"]

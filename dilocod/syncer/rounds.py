@@ -144,11 +144,26 @@ class LearnerRecord:
     contributions: int = 0
     #: Sum of this learner's merge weights over all merged rounds.
     weight_total: float = 0.0
+    #: When this learner id first joined (on the caller's clock), and the sum of the step times it
+    #: has reported since: the goodput's two terms. Both outlive the learner's restarts (the id
+    #: is stable) and leaves; steps it trains while not joined are never reported here.
+    first_joined: float | None = None
+    useful_s: float = 0.0
 
     @property
     def steps_per_s(self) -> float:
         value = self.step_time.value
         return 0.0 if not value else 1.0 / value
+
+    def tracked_s(self, now: float) -> float:
+        """Wall time since this learner id first joined."""
+        return 0.0 if self.first_joined is None else max(0.0, now - self.first_joined)
+
+    def goodput(self, now: float) -> float:
+        """Share of the wall time since the first join spent in reported training steps: time a
+        learner spends restarting, healing, stopped or cut off (its reports lost) is not useful."""
+        tracked = self.tracked_s(now)
+        return self.useful_s / tracked if tracked > 0 else 0.0
 
 
 @dataclass(slots=True)
@@ -205,6 +220,8 @@ class Rounds:
         if record is None:
             record = LearnerRecord(learner, True, self.clock, _Ema(self.config.ema_alpha))
             self.learners[learner] = record
+        if record.first_joined is None:
+            record.first_joined = now
         record.live = True
         # Its earlier progress means nothing after a restart; starting at the clock neither holds
         # the clock back nor lets the newcomer run it ahead.
@@ -238,7 +255,19 @@ class Rounds:
         if math.isfinite(step_time_s) and step_time_s > 0:
             record.step_time.add(step_time_s)
             self._step_time.add(step_time_s)
+            record.useful_s += step_time_s
         return self.tick(now)
+
+    def restore_learner(self, learner: str, *, tracked_s: float, useful_s: float, now: float) -> None:
+        """A learner known before a restart of the syncer (from its checkpoint): not live, with
+        its goodput terms carried over. tracked_s is its wall time since it first joined, as of
+        `now`; the caller adds the time the syncer was down, since the learner lost that too."""
+        if learner in self.learners:
+            return
+        record = LearnerRecord(learner, False, self.clock, _Ema(self.config.ema_alpha))
+        record.first_joined = now - max(0.0, tracked_s)
+        record.useful_s = max(0.0, useful_s)
+        self.learners[learner] = record
 
     def live(self) -> list[str]:
         return [r.learner for r in self.learners.values() if r.live]

@@ -29,12 +29,13 @@ from dilocod.ops.priority import lower_this_thread
 from dilocod.outer.guard import Verdict
 from dilocod.precision import PRECISIONS, decode, precision_of
 from dilocod.syncer.checkpoint import SyncerState, save_checkpoint
-from dilocod.syncer.model import GlobalModel, first_mismatch
+from dilocod.syncer.model import GlobalModel, Snapshot, first_mismatch
 from dilocod.syncer.rounds import Action, Merge, Push, Refusal, Release, Request, Rounds
 from dilocod.transport.endpoints import Server
 from dilocod.transport.errors import SessionClosed, TransferFailed
 from dilocod.transport.options import TransportOptions
 from dilocod.transport.session import FragmentReceived, Session
+from dilocod.wire.codecs import checksum
 from dilocod.wire.errors import ErrorCode, RemoteProtocolError
 from dilocod.wire.messages import (
     Error,
@@ -163,7 +164,13 @@ class SyncerService:
                 ready(host, port)
                 await stop.wait()
                 self._stopping = True
-                log.info("stopping", merges_in_flight=len(self._merges))
+                # Pushes held but not being merged are dropped with this process (checkpoints hold
+                # the model, not pending pushes): named here, so none goes missing unsaid.
+                log.info(
+                    "stopping",
+                    merges_in_flight=len(self._merges),
+                    unmerged_pushes=[[learner, index] for learner, index in sorted(self._push_buffers)],
+                )
                 for task in background:
                     task.cancel()
                 if self._merges:
@@ -176,13 +183,21 @@ class SyncerService:
 
     async def checkpoint(self) -> Path:
         """Write a checkpoint now (in the merge worker, between merges)."""
+        now = self.clock()
         meta = {
             **self.meta,
             "next_round": self.rounds.next_round,
             "clock": self.rounds.clock,
             "rounds_merged": self.rounds.rounds_merged,
             "roster": {
-                r.learner: {"contributions": r.contributions, "steps": r.steps, "tokens": r.tokens}
+                r.learner: {
+                    "contributions": r.contributions,
+                    "steps": r.steps,
+                    "tokens": r.tokens,
+                    # The goodput's terms, carried over a restart (the daemon adds the downtime).
+                    "useful_s": round(r.useful_s, 6),
+                    "tracked_s": round(r.tracked_s(now), 6),
+                }
                 for r in self.rounds.learners.values()
             },
         }
@@ -286,6 +301,7 @@ class SyncerService:
         self.peers[learner] = peer
         session.set_allocator(partial(self._allocate, peer))
         session.on_inbound_failed = partial(self._push_failed, peer)
+        session.on_peer_error = partial(self._peer_error, peer)
         log.info(
             "learner joined",
             learner=learner,
@@ -369,6 +385,21 @@ class SyncerService:
         self._push_buffers[(peer.learner, header.round)] = (push, buffer)
         self._push_precision[(peer.learner, header.round)] = precision
         return buffer
+
+    def _peer_error(self, peer: _Peer, where: str, error: RemoteProtocolError) -> None:
+        """Bad input on one of a learner's connections (a corrupt chunk, a truncated frame): the
+        peer's fault, answered by the transport (STREAM_RESET, or closing that connection); said
+        here once, with whose fault it was. Refusals by the schedule are logged where decided."""
+        if error.code in (ErrorCode.NOT_REQUESTED, ErrorCode.STALE_VERSION):
+            return
+        log.warning(
+            "bad input from learner",
+            learner=peer.learner,
+            fault="peer",
+            where=where,
+            code=error.code.name,
+            detail=error.message,
+        )
 
     def _shapes(self, fragment: int) -> list[tuple[str, tuple[int, ...]]]:
         return [(entry.name, entry.shape) for entry in self.model.fragments[fragment].manifest]
@@ -488,7 +519,7 @@ class SyncerService:
             return
         held = [h for h in held if h is not None]
         target = self.model.spare_buffer(merge.fragment)
-        run = partial(
+        merge_fragment = partial(
             self.model.merge,
             merge.fragment,
             [buffer for _, buffer in held],
@@ -499,9 +530,16 @@ class SyncerService:
             target=target,
             version=merge.version + 1,
         )
+
+        def run() -> tuple[Snapshot, int]:
+            # The digest of the new fragment (xxh3-64 of its bytes, a pass at memory speed) goes in
+            # the round's log line, so any copy of that version can be checked against it.
+            snapshot = merge_fragment()
+            return snapshot, checksum(snapshot.buffer)
+
         self._merge_started[merge.round_index] = started
         try:
-            snapshot = await asyncio.get_running_loop().run_in_executor(self._executor, run)
+            snapshot, digest = await asyncio.get_running_loop().run_in_executor(self._executor, run)
         except Exception as exc:
             log.error("merge failed", fragment=merge.fragment, round=merge.round_index, error=repr(exc))
             self.rounds.merge_failed(merge.round_index, self.clock())
@@ -518,12 +556,17 @@ class SyncerService:
             round=merge.round_index,
             version=version,
             contributors=[p.learner for p in merge.pushes],
+            # The round each contributor's push answered (a late push carried into this round
+            # names its own): a push is (learner, round), so none may appear in two merges.
+            push_rounds=[p.round_index for p in merge.pushes],
+            base_versions=[p.base_version for p in merge.pushes],
             weights=[round(w, 4) for w in merge.weights],
             tokens=[p.c_tokens for p in merge.pushes],
             steps=[p.c_steps for p in merge.pushes],
             bytes=len(held) * self.model.fragments[merge.fragment].raw_bytes,
             grace_waited_s=round(merge.grace_waited_s, 4),
             duration_s=round(self.clock() - started, 4),
+            digest=f"{digest:016x}",
         )
         for peer in self.peers.values():
             peer.pending.setdefault(merge.fragment, None)
@@ -582,10 +625,11 @@ class SyncerService:
     def status(self) -> dict[str, Any]:
         rounds = self.rounds
         total_weight = sum(r.weight_total for r in rounds.learners.values()) or 1.0
+        now = self.clock()
         return {
             "role": "syncer",
             "incarnation": self.incarnation,
-            "uptime_s": round(self.clock() - self.started_at, 3),
+            "uptime_s": round(now - self.started_at, 3),
             "clock": rounds.clock,
             "next_round": rounds.next_round,
             "fragments": [
@@ -602,6 +646,10 @@ class SyncerService:
                     "steps_per_s": round(r.steps_per_s, 4),
                     "steps": r.steps,
                     "tokens": r.tokens,
+                    # Reported step time over wall time since the id first joined.
+                    "goodput": round(r.goodput(now), 4),
+                    "useful_s": round(r.useful_s, 3),
+                    "tracked_s": round(r.tracked_s(now), 3),
                 }
                 for r in sorted(rounds.learners.values(), key=lambda r: r.learner)
             ],

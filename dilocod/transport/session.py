@@ -125,6 +125,10 @@ class Session:
         #: was abandoned (reset by either side, or the session closed). A decompression may still
         #: be writing into that buffer: drop it, never hand it out again.
         self.on_inbound_failed: Callable[[StreamHeader, memoryview], None] | None = None
+        #: Called with (where, error) when the peer's input failed a check: a transfer reset for
+        #: it ("transfer N"), or a connection closed for it ("control connection", "data
+        #: connection"). For the application's log: the transport itself logs nothing.
+        self.on_peer_error: Callable[[str, RemoteProtocolError], None] | None = None
         control.conn.chunk_sink = self._inbound.chunk_target
         control.attach(self._on_event, self._on_control_lost)
         self._timer = self._loop.call_later(options.ping_interval_s, self._keepalive)
@@ -454,6 +458,7 @@ class Session:
         return result
 
     def _reset_inbound(self, transfer_id: int, exc: RemoteProtocolError) -> None:
+        self._peer_error(f"transfer {transfer_id}", exc)
         self._inbound_failed(self._inbound.reset(transfer_id))
         self._inbound_opened.pop(transfer_id, None)
         self._drop_spares(transfer_id)
@@ -509,6 +514,7 @@ class Session:
                 del self._spares[key]
 
     def _on_data_lost(self, proto: FrameProtocol, exc: BaseException | None) -> None:
+        self._peer_error("data connection", exc)
         if proto in self.data:
             self.data.remove(proto)
         lent = proto.conn.lent_chunk
@@ -527,6 +533,7 @@ class Session:
                 send.wake.set()
 
     def _on_control_lost(self, proto: FrameProtocol, exc: BaseException | None) -> None:
+        self._peer_error("control connection", exc)
         self._finish(f"control connection lost: {exc}" if exc else "control connection closed")
 
     def _finish(self, reason: str) -> None:
@@ -549,6 +556,15 @@ class Session:
                     proto.transport.close()
         if self._owns_executor:
             self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _peer_error(self, where: str, exc: BaseException | None) -> None:
+        # Our own give-ups (deadlines, an internal error) are not the peer's input failing a check.
+        if (
+            isinstance(exc, RemoteProtocolError)
+            and exc.code not in (ErrorCode.INTERNAL, ErrorCode.TIMEOUT)
+            and self.on_peer_error is not None
+        ):
+            self.on_peer_error(where, exc)
 
     def _inbound_failed(self, opened: tuple[StreamHeader, memoryview] | None) -> None:
         if opened is not None and self.on_inbound_failed is not None:

@@ -221,6 +221,9 @@ def test_status_command_reads_a_running_syncer(tmp_path: Path, entry_dir: Path) 
         assert status["rounds_merged"] >= 1 and sum(f["version"] for f in status["fragments"]) >= 1
         (solo,) = status["learners"]
         assert solo["id"] == "solo" and solo["contributions"] >= 1 and solo["weight_share"] == 1.0
+        # Goodput: the reported step times over the wall time since "solo" first joined.
+        assert solo["tracked_s"] >= solo["useful_s"] > 0
+        assert solo["goodput"] == pytest.approx(solo["useful_s"] / solo["tracked_s"], abs=0.01)
         for key in ("quorum_sizes", "grace_waited_s", "bytes_in", "bytes_out", "rejected_pushes"):
             assert key in status
         assert status["loop_lag_ms"]["p99"] >= 0
@@ -230,12 +233,13 @@ def test_status_command_reads_a_running_syncer(tmp_path: Path, entry_dir: Path) 
             text = response.read().decode()
         table = dilocod_cli("status", "--syncer", f"127.0.0.1:{syncer.port}", "--insecure")
         assert "fragment versions: 0:" in table.stdout
-        assert re.search(r"^solo\s+no\s+[\d.]+\s+6\s+\d+\s+100\.0%$", table.stdout, re.MULTILINE), (
+        assert re.search(r"^solo\s+no\s+[\d.]+\s+6\s+\d+\s+100\.0%\s+[\d.]+%$", table.stdout, re.MULTILINE), (
             table.stdout
         )
         merged = re.search(r"^dilocod_rounds_merged_total (\S+)$", text, re.MULTILINE)
         assert merged is not None and float(merged.group(1)) == status["rounds_merged"]
         assert 'dilocod_learner_contributions_total{learner="solo"}' in text
+        assert 'dilocod_learner_goodput_ratio{learner="solo"}' in text
         assert 'dilocod_fragment_version{fragment="2"}' in text
     finally:
         assert syncer.stop() == 0, syncer.stderr()
@@ -270,6 +274,10 @@ def test_killed_syncer_resumes_from_its_checkpoint(tmp_path: Path, entry_dir: Pa
     try:
         assert sum(second.info["versions"]) >= saved
         assert second.info["incarnation"] != first.info["incarnation"]
+        # The learner's goodput terms come back from the checkpoint, the downtime counted as lost.
+        (known,) = syncer_status(second.port)["learners"]
+        assert known["id"] == "m" and not known["connected"]
+        assert known["tracked_s"] > known["useful_s"] > 0
         versions = run(train(second.port, 6))
         assert sum(versions) > sum(second.info["versions"]), "training carried on after the restart"
     finally:

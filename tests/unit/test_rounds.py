@@ -369,3 +369,30 @@ def test_a_round_with_pushes_below_quorum_waits_for_the_learners_to_return() -> 
     assert rounds.rounds_abandoned == 0  # a's push is work: kept until K learners are back
     (ask,) = rounds.join("c", now=1.0)
     assert ask.round_index == request.round_index
+
+
+def test_goodput_is_reported_step_time_over_wall_time_since_the_first_join() -> None:
+    """The terms outlive a leave and a rejoin (a restarted learner keeps its id); steps reported
+    while not joined count for nothing; a restored learner (syncer restart) keeps its terms."""
+    rounds = Rounds(RoundConfig(fragments=2, sync_every=2))
+    rounds.join("a", 10.0)
+    rounds.step("a", 10, 0.5, 11.0)
+    rounds.step("a", 10, 0.5, 12.0)
+    record = rounds.learners["a"]
+    assert record.useful_s == 1.0 and record.tracked_s(12.0) == 2.0 and record.goodput(12.0) == 0.5
+    rounds.leave("a", 12.0)
+    rounds.step("a", 10, 5.0, 15.0)  # not live: ignored
+    rounds.join("a", 20.0)  # restarted: the first join still counts
+    rounds.step("a", 10, 1.0, 21.0)
+    assert record.first_joined == 10.0 and record.useful_s == 2.0
+    assert record.goodput(21.0) == pytest.approx(2.0 / 11.0)
+    rounds.step("a", 10, math.nan, 22.0)  # an unusable step time adds nothing
+    assert record.useful_s == 2.0
+
+    restarted = Rounds(RoundConfig(fragments=2, sync_every=2))
+    restarted.restore_learner("a", tracked_s=100.0, useful_s=80.0, now=5.0)
+    assert restarted.live() == [] and restarted.learners["a"].goodput(5.0) == pytest.approx(0.8)
+    restarted.join("a", 6.0)
+    assert restarted.learners["a"].first_joined == -95.0
+    restarted.restore_learner("a", tracked_s=1.0, useful_s=1.0, now=7.0)  # known already: kept
+    assert restarted.learners["a"].useful_s == 80.0

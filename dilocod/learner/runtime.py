@@ -30,6 +30,7 @@ from dilocod.learner.island import Island
 from dilocod.learner.layout import FragmentLayout, layouts_for
 from dilocod.learner.state import load_local_state, save_local_state
 from dilocod.outer import apply_update_
+from dilocod.wire.codecs import checksum
 
 log = structlog.get_logger("dilocod.learner")
 
@@ -204,6 +205,8 @@ class TrainingLoop:
                 if self.leader and now - self._last_progress >= self.config.progress_every_s:
                     self._report_progress(now)
             self.boundary()  # adopt what arrived during the last step before saving
+            if self.leader:
+                self._report_holding()
         finally:
             self.save()
 
@@ -331,6 +334,19 @@ class TrainingLoop:
         if self.awaiting and not stop.is_set():
             log.warning("merged fragments did not come back: stepping on", fragments=sorted(self.awaiting))
             self.awaiting.clear()
+
+    def _report_holding(self) -> None:
+        """Which version of every global fragment this learner holds as it stops, each with the
+        xxh3-64 of its bytes: the syncer logs the same digest with every merged version, so anyone
+        can check that a learner ended on the syncer's fragments, byte for byte."""
+        fragments = range(len(self.layouts))
+        log.info(
+            "holding fragments",
+            step=self.step_index,
+            incarnation=self.incarnation,
+            versions=[self.versions.get(p) for p in fragments],
+            digests=[f"{checksum(self.anchors[p]):016x}" if p in self.anchors else None for p in fragments],
+        )
 
     def _report_progress(self, now: float) -> None:
         elapsed = max(now - self.progress.started, 1e-9)

@@ -295,6 +295,7 @@ def run_under_dilocod(
         command = [sys.executable, "-m", "dilocod", "learner", "--syncer", f"127.0.0.1:{port}", "--insecure"]
         command += ["--entry", ENTRY, "--id", "bench", "--device", "cpu"]
         command += ["--steps", str(config["warmup"] + config["steps"]), "--seed", str(config["seed"])]
+        command += ["--network", config["network"]]
         with (work / "learner.stderr").open("wb") as stderr, children_on(learner_cpus):
             learner = subprocess.Popen(
                 command, env=child_env(entry_dir), stdout=subprocess.DEVNULL, stderr=stderr
@@ -465,6 +466,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--torch-threads", type=int, default=1, help="intra-op threads in both (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="data seed handed to the factory (default 0)")
+    parser.add_argument(
+        "--network",
+        choices=("process", "thread"),
+        default="process",
+        help="where the learner runs its link to the syncer (default: process, the learner's default)",
+    )
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write the numbers")
     args = parser.parse_args(argv)
     args.placements = [p.strip() for p in args.placements.split(",") if p.strip()]
@@ -489,6 +496,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "steps": args.steps,
         "torch_threads": args.torch_threads,
         "seed": args.seed,
+        "network": args.network,
     }
     machine = machine_facts("dilocod")
     started = time.monotonic()

@@ -608,6 +608,11 @@ def export(state_dir: Path, out: Path) -> None:
     help="Outer gradients on the wire: fp32, bf16, int8 or int4 (error feedback).  [default: fp32]",
 )
 @click.option(
+    "--network",
+    help="Where the link to the syncer runs: process (a child process: its CPU time and the GIL stay "
+    "off the training thread) or thread (an event-loop thread of this process).  [default: process]",
+)
+@click.option(
     "--apply", help="overwrite, mix or keep-local: how merged fragments are applied.  [default: overwrite]"
 )
 @click.option("--mix-alpha", help="Weight of the local fragment in --apply mix.  [default: 0.5]")
@@ -681,6 +686,7 @@ def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: An
             learner_id=config.id,
             secret=secret,
             tls=context,
+            tls_files=tls,
             streams="auto" if config.streams == "auto" else int(config.streams),
             codec=config.codec,
             advice=advice,
@@ -692,7 +698,9 @@ def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: An
         seed=config.seed,
         use_uvloop=uvloop,
         island=island,
+        network=config.network,
     )
+    from dilocod.learner.netproc import NetworkProcessError  # noqa: PLC0415
     from dilocod.ops.notify import Notifier  # noqa: PLC0415
 
     try:
@@ -701,6 +709,10 @@ def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: An
         click.echo(f"dilocod learner: {exc}", err=True)
         _user_traceback(exc)
         sys.exit(EX_CONFIG)
+    except NetworkProcessError as exc:
+        # Not a configuration error: a restart (systemd's Restart=on-failure) heals from the syncer.
+        click.echo(f"dilocod learner: {exc}; the local state is saved", err=True)
+        sys.exit(1)
 
 
 @main.command()

@@ -300,6 +300,7 @@ SYNCER_FIELDS: dict[str, Parse] = {
     "chunk": _size,
     "codec": _text(WIRE_CODECS),
     "seed": _integer(0, 2**63 - 1),
+    "network": _text(("process", "thread")),
 }
 
 
@@ -376,6 +377,9 @@ class LearnerConfig:
     join_timeout_s: float = 60.0
     progress_every_s: float = 5.0
     seed: int = 0
+    #: Where the link to the syncer runs: "process" (a child process, so its CPU time and the GIL
+    #: stay off the training thread) or "thread" (in this process, on its own event-loop thread).
+    network: str = "process"
 
 
 LEARNER_FIELDS: dict[str, Parse] = {
@@ -400,4 +404,5 @@ LEARNER_FIELDS: dict[str, Parse] = {
     "join_timeout_s": _number(0.0, low_open=True),
     "progress_every_s": _number(0.0, low_open=True),
     "seed": _integer(0, 2**63 - 1),
+    "network": _text(("process", "thread")),
 }

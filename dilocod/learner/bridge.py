@@ -16,8 +16,12 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from dilocod.wire.messages import FragmentRequest, Plan
+
+#: Fragment bytes: a bytearray of this process, or a view of memory shared with the network process.
+Buffer = bytearray | memoryview
 
 #: Step reports kept for the network while it is away; older ones are dropped (the syncer only
 #: uses them as a clock and a rate).
@@ -30,7 +34,7 @@ class Adopt:
 
     fragment: int
     version: int
-    buffer: bytearray
+    buffer: Buffer
     #: From a (re)join: replaces the local fragment whatever the apply mode.
     heal: bool
     incarnation: str
@@ -46,8 +50,8 @@ class Snapshot:
     c_steps: int
     c_tokens: int
     #: θ_p in wire layout (float32); the anchor is the buffer of the update last applied.
-    theta: bytearray
-    anchor: bytearray
+    theta: Buffer
+    anchor: Buffer
     #: Waits until theta holds its bytes (a device copy in flight); None when already complete.
     ready: Callable[[], None] | None = None
 
@@ -65,6 +69,18 @@ class Inbox:
     updates: list[Adopt] = field(default_factory=list)
     requests: list[FragmentRequest] = field(default_factory=list)
     fatal: str | None = None
+
+
+class TrainingSide(Protocol):
+    """What the training loop calls on its bridge, whether the network is a thread (Bridge) or a
+    process (dilocod.learner.netproc.ProcessBridge). None of it waits, but wait()."""
+
+    def take(self) -> Inbox: ...
+    def wait(self, timeout_s: float) -> None: ...
+    def snapshot_buffer(self, size: int) -> Buffer: ...
+    def send_snapshot(self, snapshot: Snapshot, *, wake: bool = True) -> None: ...
+    def report_step(self, item: StepReportItem, *, wake: bool = True) -> None: ...
+    def flush(self) -> None: ...
 
 
 class Bridge:
@@ -145,6 +161,10 @@ class Bridge:
         with self._posted:
             if self._plan is None and not self._updates and not self._requests and self._fatal is None:
                 self._posted.wait(timeout_s)
+
+    def snapshot_buffer(self, size: int) -> bytearray:
+        """Where the training loop copies a requested fragment for its snapshot."""
+        return bytearray(size)
 
     def send_snapshot(self, snapshot: Snapshot, *, wake: bool = True) -> None:
         with self._lock:

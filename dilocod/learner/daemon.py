@@ -18,7 +18,7 @@ import dataclasses
 import signal
 import threading
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import structlog
@@ -31,6 +31,7 @@ from dilocod.learner.health import StepWatch, status_line
 from dilocod.learner.island import Island, IslandConfig
 from dilocod.learner.layout import PlanMismatch, model_entries
 from dilocod.learner.link import Link, LinkConfig
+from dilocod.learner.netproc import ProcessBridge, SideReader, encode_config, open_network_process
 from dilocod.learner.runtime import LearnerStopped, RuntimeConfig, TrainingLoop
 from dilocod.learner.state import LocalStateError
 from dilocod.ops.notify import USEC_PER_S, Notifier, watchdog_loop
@@ -38,6 +39,8 @@ from dilocod.ops.notify import USEC_PER_S, Notifier, watchdog_loop
 log = structlog.get_logger("dilocod.learner")
 #: How long the network thread may take to say goodbye once training has stopped.
 NETWORK_STOP_TIMEOUT_S = 30.0
+#: How long to wait for a stopped network process's last statistics.
+SIDE_DRAIN_TIMEOUT_S = 5.0
 
 
 class LearnerSetupError(Exception):
@@ -53,6 +56,8 @@ class LearnerSetup:
     use_uvloop: bool = True
     #: Set under torchrun (WORLD_SIZE > 1): this process is one rank of an island.
     island: IslandConfig | None = None
+    #: "process": the link runs in a child process (dilocod.learner.netproc); "thread": here.
+    network: str = "process"
 
 
 def resolve_device(setup: LearnerSetup) -> torch.device:
@@ -97,19 +102,30 @@ def _run(setup: LearnerSetup, device: torch.device, island: Island | None, notif
         model = model_entries(trainer.model)
     except PlanMismatch as exc:
         raise LearnerSetupError(f"--entry {setup.runtime.entry}: {exc}") from None
-    bridge = Bridge()
-    link = Link(setup.link, model, bridge)
+    leader = island is None or island.leader
+    in_process = setup.network == "process" and leader
+    link: Link | None = None
+    side: SideReader | None = None
+    if in_process:
+        bridge, side, side_child = open_network_process()
+    else:
+        bridge = Bridge()
+        link = Link(setup.link, model, bridge)
+
+    def link_stats() -> dict[str, Any]:
+        # Plain values written by the network thread (or the last statistics of the network
+        # process); a slightly stale read is fine for a progress line.
+        return asdict(link.stats) if link is not None else side.stats if side is not None else {}
 
     def network_status() -> dict[str, object]:
-        # Plain values written by the network thread; a slightly stale read is fine for a progress line.
-        stats = link.stats
-        latency = stats.last_push_to_update_s
+        stats = link_stats()
+        latency = stats.get("last_push_to_update_s")
         return {
-            "syncer": "connected" if stats.connected else "away",
+            "syncer": "connected" if stats.get("connected") else "away",
             "last_round_s": None if latency is None else round(latency, 3),
-            "sent_bytes": stats.bytes_sent,
-            "received_bytes": stats.bytes_received,
-            "refused": stats.pushes_refused,
+            "sent_bytes": stats.get("bytes_sent", 0),
+            "received_bytes": stats.get("bytes_received", 0),
+            "refused": stats.get("pushes_refused", 0),
         }
 
     loop = TrainingLoop(setup.runtime, trainer, bridge, device, setup.link.learner_id, island, network_status)
@@ -117,7 +133,11 @@ def _run(setup: LearnerSetup, device: torch.device, island: Island | None, notif
         loop.restore()
     except LocalStateError as exc:
         raise LearnerSetupError(str(exc)) from None
-    link.incarnation = loop.incarnation
+    if link is not None:
+        link.incarnation = loop.incarnation
+    else:
+        assert isinstance(bridge, ProcessBridge)
+        bridge.spawn(encode_config(setup.link, model, loop.incarnation, setup.use_uvloop), side_child)
     if not loop.leader:
         # Under torchrun, systemd watches the launcher, not the ranks; rank 0 speaks for the island.
         notifier = Notifier()
@@ -131,12 +151,20 @@ def _run(setup: LearnerSetup, device: torch.device, island: Island | None, notif
     companions: list[Callable[[], Coroutine[Any, Any, None]]] = []
     if notifier.watchdog_usec is not None:
         limit_s = notifier.watchdog_usec / USEC_PER_S
-        companions.append(lambda: watchdog_loop(notifier, lambda: watch.healthy(limit_s)))
+
+        def healthy() -> bool:
+            # A network process whose loop stalls stops its statistics, and so the pings.
+            return watch.healthy(limit_s) and (side is None or side.alive(limit_s))
+
+        companions.append(lambda: watchdog_loop(notifier, healthy))
     if notifier.enabled:
         companions.append(
             lambda: _report_status(notifier, loop, network_status, setup.runtime.progress_every_s)
         )
-    network = _NetworkThread(link, setup.use_uvloop, companions) if loop.leader else None
+    # Rank 0 alone talks to the syncer (through its network thread or process); the other ranks of
+    # an island follow its inbox.
+    serve = (link.run if link is not None else side.run if side is not None else None) if leader else None
+    network = _NetworkThread(serve, setup.use_uvloop, companions) if serve is not None else None
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     if network is not None:
         network.start()
@@ -148,16 +176,23 @@ def _run(setup: LearnerSetup, device: torch.device, island: Island | None, notif
     finally:
         if not stop.is_set():  # --steps done, or an error: no signal said STOPPING=1 yet
             notifier.stopping(f"stopping at step {loop.step_index}")
+        if isinstance(bridge, ProcessBridge):
+            bridge.close(NETWORK_STOP_TIMEOUT_S)  # the child says goodbye to the syncer and exits
+            if side is not None and network is not None:
+                side.finished.wait(SIDE_DRAIN_TIMEOUT_S)  # its last statistics, for the line below
         if network is not None:
             network.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        final = network_status()
         log.info(
             "learner stopped",
             step=loop.step_index,
-            pushes=link.stats.pushes_sent,
-            sent_bytes=link.stats.bytes_sent,
-            received_bytes=link.stats.bytes_received,
+            pushes=(asdict(link.stats) if link is not None else side.stats if side else {}).get(
+                "pushes_sent"
+            ),
+            sent_bytes=final["sent_bytes"],
+            received_bytes=final["received_bytes"],
         )
 
 
@@ -179,16 +214,17 @@ async def _report_status(
 
 
 class _NetworkThread:
-    """The event loop thread that runs the Link until stopped, and its companions (the watchdog,
-    the status reporter) on the same loop, cancelled when the Link returns."""
+    """The event loop thread that runs the Link (or, with a network process, the reader of its
+    statistics) until stopped, and its companions (the watchdog, the status reporter) on the same
+    loop, cancelled when it returns."""
 
     def __init__(
         self,
-        link: Link,
+        serve: Callable[[asyncio.Event], Coroutine[Any, Any, None]],
         use_uvloop: bool,
         companions: list[Callable[[], Coroutine[Any, Any, None]]] | None = None,
     ) -> None:
-        self.link = link
+        self.serve = serve
         self.use_uvloop = use_uvloop
         self.companions = companions or []
         self._thread = threading.Thread(target=self._main, name="dilocod-network", daemon=True)
@@ -210,7 +246,7 @@ class _NetworkThread:
             async with asyncio.TaskGroup() as tasks:
                 helpers = [tasks.create_task(make()) for make in self.companions]
                 try:
-                    await self.link.run(self._stop)
+                    await self.serve(self._stop)
                 finally:
                     for helper in helpers:
                         helper.cancel()

@@ -4,121 +4,20 @@ on GPU), so that every rank applies the same merged fragments at the same step a
 counters. Decisions that end a wait or the run are agreed collectively (a minimum over ranks), so
 no rank is left alone in a collective.
 
-Control travels as one small msgpack map (encode_control/decode_control) holding exactly what the
-followers need: the PLAN and the fragment requests in their own wire encoding, read back by the
-same checked decoders as from the network, and each update's fragment, version, heal flag,
-incarnation and byte count. Never pickle: a process group's port is a network port too, and
-unpickling what arrives there would run whatever a peer on it sent. Fragment bytes travel as
-uint8 tensors.
+Control travels as one small msgpack map (dilocod.learner.control) holding exactly what the
+followers need; never pickle: a process group's port is a network port too, and unpickling what
+arrives there would run whatever a peer on it sent. Fragment bytes travel as uint8 tensors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypeVar
 
-import msgpack
 import torch
 import torch.distributed as dist
 
 from dilocod.learner.bridge import Adopt, Inbox
-from dilocod.wire.errors import RemoteProtocolError
-from dilocod.wire.frames import FrameType
-from dilocod.wire.limits import DEFAULT_LIMITS
-from dilocod.wire.messages import FragmentRequest, Plan, decode_body, encode_body
-
-_CONTROL_KEYS = frozenset({"plan", "updates", "requests", "fatal"})
-
-
-class IslandControlError(RuntimeError):
-    """Rank 0's control cannot be read: ranks of different versions, or bytes not from rank 0."""
-
-
-@dataclass(frozen=True, slots=True)
-class UpdateNote:
-    """What a follower needs to receive one update's bytes and adopt them like rank 0."""
-
-    fragment: int
-    version: int
-    heal: bool
-    incarnation: str
-    nbytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class Control:
-    plan: Plan | None
-    updates: tuple[UpdateNote, ...]
-    requests: tuple[FragmentRequest, ...]
-    fatal: str | None
-
-
-def encode_control(inbox: Inbox) -> bytes:
-    """Rank 0's inbox without the fragment bytes, as msgpack."""
-    return msgpack.packb(
-        {
-            "plan": None if inbox.plan is None else encode_body(inbox.plan),
-            "updates": [[u.fragment, u.version, u.heal, u.incarnation, len(u.buffer)] for u in inbox.updates],
-            "requests": [encode_body(request) for request in inbox.requests],
-            "fatal": inbox.fatal,
-        },
-        use_bin_type=True,
-    )
-
-
-def decode_control(payload: bytes | bytearray) -> Control:
-    """The inverse of encode_control; anything else raises IslandControlError."""
-    try:
-        raw = msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True)
-    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-        raise IslandControlError(f"island control is not msgpack: {exc}") from None
-    if not isinstance(raw, dict) or set(raw) != _CONTROL_KEYS:
-        raise IslandControlError(f"island control must be a map of {sorted(_CONTROL_KEYS)}")
-    fatal = raw["fatal"]
-    if fatal is not None and not isinstance(fatal, str):
-        raise IslandControlError("island control: fatal must be a string or nil")
-    plan = None if raw["plan"] is None else _message(raw["plan"], FrameType.PLAN, Plan)
-    requests = tuple(
-        _message(body, FrameType.FRAGMENT_REQUEST, FragmentRequest)
-        for body in _list(raw["requests"], "requests")
-    )
-    updates = tuple(_update(item) for item in _list(raw["updates"], "updates"))
-    return Control(plan, updates, requests, fatal)
-
-
-M = TypeVar("M", Plan, FragmentRequest)
-
-
-def _message(body: object, frame_type: FrameType, kind: type[M]) -> M:
-    """A message in its wire encoding, through the same checked decoder as from the network."""
-    if not isinstance(body, bytes):
-        raise IslandControlError(f"island control: {frame_type.name} must be bytes")
-    try:
-        message = decode_body(frame_type, body, DEFAULT_LIMITS)
-    except RemoteProtocolError as exc:
-        raise IslandControlError(f"island control: {exc.message}") from None
-    if not isinstance(message, kind):  # decode_body gives the frame type's class; for the checker
-        raise IslandControlError(f"island control: {frame_type.name} decoded as {type(message).__name__}")
-    return message
-
-
-def _list(value: object, what: str) -> list[object]:
-    if not isinstance(value, list):
-        raise IslandControlError(f"island control: {what} must be an array")
-    return value
-
-
-def _update(item: object) -> UpdateNote:
-    # type() rather than isinstance: True is an int, and an int field must not take it.
-    kinds = (int, int, bool, str, int)
-    if (
-        not isinstance(item, list)
-        or len(item) != len(kinds)
-        or any(type(value) is not kind for value, kind in zip(item, kinds, strict=True))
-        or min(item[0], item[1], item[4]) < 0
-    ):
-        raise IslandControlError(f"island control: bad update {item!r:.200}")
-    return UpdateNote(*item)
+from dilocod.learner.control import decode_control, encode_control
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ import ssl
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Literal
 
 import structlog
@@ -96,6 +97,8 @@ class LinkConfig:
     secret: bytes | None
     #: Mutual TLS around every connection to the syncer, or None.
     tls: ssl.SSLContext | None = None
+    #: The files tls was made from (certificate, key, CA), for a network process to make its own.
+    tls_files: tuple[Path, Path, Path] | None = None
     #: Data connections, or "auto" (the advice's count, else chosen per session from its RTT).
     streams: int | Literal["auto"] = 4
     #: Codec of pushes: none, lz4, zstd, or "auto" (the advice's, else tuned while pushing).

@@ -24,7 +24,7 @@ import structlog
 import torch
 
 from dilocod.contract import Trainer
-from dilocod.learner.bridge import Adopt, Bridge, Inbox, Snapshot, StepReportItem
+from dilocod.learner.bridge import Adopt, Buffer, Inbox, Snapshot, StepReportItem, TrainingSide
 from dilocod.learner.entry import check_step_result
 from dilocod.learner.island import Island
 from dilocod.learner.layout import FragmentLayout, layouts_for
@@ -74,8 +74,11 @@ class HostCopier:
         self.device = device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def copy_out(self, layout: FragmentLayout) -> tuple[bytearray, Callable[[], None] | None]:
-        buffer = bytearray(layout.raw_bytes)
+    def copy_out(
+        self, layout: FragmentLayout, allocate: Callable[[int], Buffer] = bytearray
+    ) -> tuple[Buffer, Callable[[], None] | None]:
+        """The fragment's parameters in wire layout, in a buffer from allocate(size)."""
+        buffer = allocate(layout.raw_bytes)
         if not layout.raw_bytes:
             return buffer, None
         views = layout.views(buffer)
@@ -111,7 +114,7 @@ class TrainingLoop:
         self,
         config: RuntimeConfig,
         trainer: Trainer,
-        bridge: Bridge,
+        bridge: TrainingSide,
         device: torch.device,
         learner_id: str,
         island: Island | None = None,
@@ -280,7 +283,14 @@ class TrainingLoop:
             return  # not healed yet: nothing meaningful to push
         if self.leader:
             # Every rank of an island holds the same parameters: rank 0 speaks for all of them.
-            theta, ready = self.copier.copy_out(self.layouts[fragment])
+            theta, ready = self.copier.copy_out(self.layouts[fragment], self.bridge.snapshot_buffer)
+            if self.config.apply == "keep-local":
+                # A copy of our own: the snapshot's buffer may be lent to the network process and
+                # reused once it has made the push.
+                if ready is not None:
+                    ready()
+                    ready = None
+                self.sent[fragment] = bytearray(theta)
             snapshot = Snapshot(
                 fragment,
                 round_index,
@@ -292,8 +302,6 @@ class TrainingLoop:
                 ready,
             )
             self.bridge.send_snapshot(snapshot, wake=False)
-            if self.config.apply == "keep-local":
-                self.sent[fragment] = theta
         elif self.config.apply == "keep-local":
             self.sent[fragment] = self.copier.copy_out(self.layouts[fragment])[0]
         self.awaiting.add(fragment)

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 import dilocod
 from dilocod.config import Address, ConfigError, parse_address, require_authentication, tls_paths
 from dilocod.learner.bridge import Adopt, Inbox
-from dilocod.learner.island import Control, IslandControlError, UpdateNote, decode_control, encode_control
+from dilocod.learner.control import Control, ControlError, UpdateNote, decode_control, encode_control
 from dilocod.learner.state import FORMAT, STATE_FILE, LocalStateError, load_local_state
 from dilocod.syncer import checkpoint
 from dilocod.syncer.checkpoint import (
@@ -258,7 +258,7 @@ def test_island_control_round_trips_exactly_its_values() -> None:
     ],
 )
 def test_island_control_refuses_anything_else(payload: bytes) -> None:
-    with pytest.raises(IslandControlError):
+    with pytest.raises(ControlError):
         decode_control(payload)
 
 
@@ -276,7 +276,7 @@ def test_island_control_checks_every_value() -> None:
         ("plan", b"\x81\xa1x\x01"),
         ("fatal", 3),
     ]:
-        with pytest.raises(IslandControlError):
+        with pytest.raises(ControlError):
             decode_control(msgpack.packb({**good, key: value}, use_bin_type=True))
 
 

@@ -1,0 +1,117 @@
+"""The control part of an inbox (what the network posted for the training loop) as one small
+msgpack map, for the two places it crosses a process boundary: rank 0 of a torchrun island sharing
+it with the other ranks, and the learner's network process handing it to the training process.
+
+It holds exactly what the receiving side needs: the PLAN and the fragment requests in their own
+wire encoding, read back by the same checked decoders as from the network, and each update's
+fragment, version, heal flag, incarnation and byte count (the bytes travel separately). Never
+pickle: what arrives on a socket or a process group's port could come from anyone who reached it.
+Must not import torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TypeVar
+
+import msgpack
+
+from dilocod.learner.bridge import Inbox
+from dilocod.wire.errors import RemoteProtocolError
+from dilocod.wire.frames import FrameType
+from dilocod.wire.limits import DEFAULT_LIMITS
+from dilocod.wire.messages import FragmentRequest, Plan, decode_body, encode_body
+
+_CONTROL_KEYS = frozenset({"plan", "updates", "requests", "fatal"})
+
+
+class ControlError(RuntimeError):
+    """The control cannot be read: the two sides run different versions, or the bytes are not
+    from the other side."""
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateNote:
+    """What a follower needs to receive one update's bytes and adopt them like rank 0."""
+
+    fragment: int
+    version: int
+    heal: bool
+    incarnation: str
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Control:
+    plan: Plan | None
+    updates: tuple[UpdateNote, ...]
+    requests: tuple[FragmentRequest, ...]
+    fatal: str | None
+
+
+def encode_control(inbox: Inbox) -> bytes:
+    """Rank 0's inbox without the fragment bytes, as msgpack."""
+    return msgpack.packb(
+        {
+            "plan": None if inbox.plan is None else encode_body(inbox.plan),
+            "updates": [[u.fragment, u.version, u.heal, u.incarnation, len(u.buffer)] for u in inbox.updates],
+            "requests": [encode_body(request) for request in inbox.requests],
+            "fatal": inbox.fatal,
+        },
+        use_bin_type=True,
+    )
+
+
+def decode_control(payload: bytes | bytearray) -> Control:
+    """The inverse of encode_control; anything else raises ControlError."""
+    try:
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True)
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise ControlError(f"inbox control is not msgpack: {exc}") from None
+    if not isinstance(raw, dict) or set(raw) != _CONTROL_KEYS:
+        raise ControlError(f"inbox control must be a map of {sorted(_CONTROL_KEYS)}")
+    fatal = raw["fatal"]
+    if fatal is not None and not isinstance(fatal, str):
+        raise ControlError("inbox control: fatal must be a string or nil")
+    plan = None if raw["plan"] is None else _message(raw["plan"], FrameType.PLAN, Plan)
+    requests = tuple(
+        _message(body, FrameType.FRAGMENT_REQUEST, FragmentRequest)
+        for body in _list(raw["requests"], "requests")
+    )
+    updates = tuple(_update(item) for item in _list(raw["updates"], "updates"))
+    return Control(plan, updates, requests, fatal)
+
+
+M = TypeVar("M", Plan, FragmentRequest)
+
+
+def _message(body: object, frame_type: FrameType, kind: type[M]) -> M:
+    """A message in its wire encoding, through the same checked decoder as from the network."""
+    if not isinstance(body, bytes):
+        raise ControlError(f"inbox control: {frame_type.name} must be bytes")
+    try:
+        message = decode_body(frame_type, body, DEFAULT_LIMITS)
+    except RemoteProtocolError as exc:
+        raise ControlError(f"inbox control: {exc.message}") from None
+    if not isinstance(message, kind):  # decode_body gives the frame type's class; for the checker
+        raise ControlError(f"inbox control: {frame_type.name} decoded as {type(message).__name__}")
+    return message
+
+
+def _list(value: object, what: str) -> list[object]:
+    if not isinstance(value, list):
+        raise ControlError(f"inbox control: {what} must be an array")
+    return value
+
+
+def _update(item: object) -> UpdateNote:
+    # type() rather than isinstance: True is an int, and an int field must not take it.
+    kinds = (int, int, bool, str, int)
+    if (
+        not isinstance(item, list)
+        or len(item) != len(kinds)
+        or any(type(value) is not kind for value, kind in zip(item, kinds, strict=True))
+        or min(item[0], item[1], item[4]) < 0
+    ):
+        raise ControlError(f"inbox control: bad update {item!r:.200}")
+    return UpdateNote(*item)

@@ -1,0 +1,746 @@
+"""The learner's network in a process of its own (`--network process`, the default).
+
+The Link (sessions with the syncer, pushes, updates, reconnects) and its event loop run in a child
+process, so that neither their CPU time nor their hold on the GIL lands on the training thread: on
+a learner host with a core to spare, the step pays only the boundary's own work (two fragment
+copies and a few small messages). In a thread (`--network thread`) the same link shares the
+training process's GIL, and every frame it parses can make a torch call of the step wait.
+
+Two AF_UNIX SOCK_SEQPACKET socketpairs join the processes:
+- data: child to parent the inbox (plan, merged fragments, requests, a fatal error), parent to
+  child the outbox (step reports, snapshots of requested fragments). The training thread touches
+  it only at step boundaries and never waits on it (except where the runtime waits anyway: the
+  first heal, tau = 0).
+- side: the child's link statistics once a second, read by a small thread of the parent for
+  progress and STATUS lines and for the watchdog (a child whose loop stalls stops the pings).
+
+Messages are small msgpack datagrams. Fragment bytes never go through a socket: they sit in
+memory both processes map (memfd buffers, lent by the side that writes them, their descriptors
+passed once with SCM_RIGHTS, reused once the other side gives them back). The parent gives back an
+update's buffer one boundary after a newer update of that fragment was taken (so the runtime's
+anchor is never overwritten under it); the child copies a snapshot out and gives its buffer back
+at once. The child keeps its own copy of every update it delivered, the anchor its outer
+gradients are computed from (δ = anchor - θ, in the child's push worker).
+
+The child ignores SIGINT and SIGTERM: it stops when the parent closes the data socket (after the
+training loop's last boundary) or dies, says goodbye to the syncer, and exits.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import itertools
+import mmap
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import msgpack
+import structlog
+
+from dilocod.learner.bridge import Adopt, Bridge, Inbox, Snapshot, StepReportItem
+from dilocod.learner.control import decode_control, encode_control
+
+log = structlog.get_logger("dilocod.learner")
+
+#: One datagram; large messages (a plan of a model with many tensors) travel in a lent buffer.
+MAX_DATAGRAM_BYTES = 32 * 1024
+#: Descriptors per datagram (the kernel's SCM_MAX_FD is 253).
+MAX_FDS = 200
+STATS_EVERY_S = 1.0
+STOP_TIMEOUT_S = 30.0
+CONFIG_TIMEOUT_S = 30.0
+
+
+class NetworkProcessError(RuntimeError):
+    """The network process is gone or spoke out of turn; the learner cannot sync without it."""
+
+
+# ----------------------------------------------------------------------------- lent buffers
+
+
+class Lender:
+    """Buffers this side writes and the other side maps: memfd-backed, reused once given back."""
+
+    def __init__(self) -> None:
+        self._maps: dict[int, mmap.mmap] = {}
+        self._sizes: dict[int, int] = {}
+        self._free: dict[int, list[int]] = {}
+        self._ids = itertools.count(1)
+        self.lent = 0
+
+    def borrow(self, size: int) -> tuple[int, memoryview, int | None]:
+        """(id, a writable view of `size` bytes, the descriptor to pass when the buffer is new)."""
+        free = self._free.get(size)
+        fd = None
+        if free:
+            bid = free.pop()
+        else:
+            bid = next(self._ids)
+            fd = os.memfd_create(f"dilocod-{bid}", os.MFD_CLOEXEC)
+            os.ftruncate(fd, max(size, 1))
+            self._maps[bid] = mmap.mmap(fd, max(size, 1))
+            self._sizes[bid] = size
+        self.lent += 1
+        return bid, memoryview(self._maps[bid])[:size], fd
+
+    def give_back(self, bid: int) -> None:
+        if bid not in self._sizes:
+            raise NetworkProcessError(f"buffer {bid} given back, but it was never lent")
+        self._free.setdefault(self._sizes[bid], []).append(bid)
+        self.lent -= 1
+
+
+class Mapper:
+    """The other side's buffers, mapped once each by id."""
+
+    def __init__(self) -> None:
+        self._maps: dict[int, mmap.mmap] = {}
+
+    def add(self, bid: int, fd: int, size: int) -> None:
+        try:
+            self._maps[bid] = mmap.mmap(fd, max(size, 1))
+        finally:
+            os.close(fd)
+
+    def view(self, bid: int, size: int) -> memoryview:
+        buffer = self._maps.get(bid)
+        if buffer is None or len(buffer) < size:
+            raise NetworkProcessError(f"buffer {bid} of {size} bytes was never passed")
+        return memoryview(buffer)[:size]
+
+
+# ----------------------------------------------------------------------------- datagrams
+
+
+class Channel:
+    """One end of a SEQPACKET socket: messages out without ever blocking (what the socket cannot
+    take now waits here for the next send()), messages in as they are there."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        sock.setblocking(False)
+        self._out: deque[tuple[bytes, list[int]]] = deque()
+        self._eof = False
+
+    def queue(self, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
+        body = msgpack.packb(message, use_bin_type=True)
+        if len(body) > MAX_DATAGRAM_BYTES:
+            raise NetworkProcessError(f"a {message.get('k')} message of {len(body)} bytes does not fit")
+        self._out.append((body, list(fds)))
+
+    def send(self) -> bool:
+        """Send what the socket takes now; True when nothing is left queued."""
+        while self._out:
+            body, fds = self._out[0]
+            ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+            try:
+                self.sock.sendmsg([body], ancillary)
+            except BlockingIOError:
+                return False
+            except OSError as exc:
+                raise NetworkProcessError(f"the other process is gone: {exc}") from None
+            for fd in fds:
+                os.close(fd)  # the other side holds its own copy of the descriptor now
+            self._out.popleft()
+        return True
+
+    def receive(self) -> list[tuple[dict[str, Any], list[int]]]:
+        """Every message the socket holds now, with the descriptors that came with it."""
+        out: list[tuple[dict[str, Any], list[int]]] = []
+        if self._eof:
+            raise NetworkProcessError("the other process closed its end")
+        while True:
+            try:
+                body, ancillary, flags, _ = self.sock.recvmsg(
+                    MAX_DATAGRAM_BYTES, socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+                )
+            except BlockingIOError:
+                return out
+            except OSError as exc:
+                raise NetworkProcessError(f"the other process is gone: {exc}") from None
+            if not body:
+                self._eof = True  # what came before the end is handed out first
+                if out:
+                    return out
+                raise NetworkProcessError("the other process closed its end")
+            fds: list[int] = []
+            for level, kind, data in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds.extend(array.array("i", data[: len(data) - len(data) % 4]))
+            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+                for fd in fds:
+                    os.close(fd)
+                raise NetworkProcessError("a message from the other process was cut short")
+            try:
+                message = msgpack.unpackb(body, raw=False, strict_map_key=True)
+            except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+                raise NetworkProcessError(f"an unreadable message from the other process: {exc}") from None
+            if not isinstance(message, dict) or not isinstance(message.get("k"), str):
+                raise NetworkProcessError("a message from the other process without a kind")
+            out.append((message, fds))
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._out)
+
+
+def _take_fds(message: dict[str, Any], fds: list[int], mapper: Mapper) -> None:
+    """Map the buffers a message introduces ("new": [[id, size], ...], one descriptor each)."""
+    new = message.get("new", [])
+    if len(new) != len(fds):
+        for fd in fds:
+            os.close(fd)
+        raise NetworkProcessError(f"{len(new)} new buffers announced, {len(fds)} descriptors passed")
+    for (bid, size), fd in zip(new, fds, strict=True):
+        mapper.add(int(bid), fd, int(size))
+
+
+# ----------------------------------------------------------------------------- the parent's side
+
+
+class ProcessBridge:
+    """The training loop's Bridge when the network is a child process: the same calls (take, wait,
+    send_snapshot, report_step, flush), all non-blocking but wait()."""
+
+    def __init__(self) -> None:
+        data, self._child_data = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.channel = Channel(data)
+        self.process: subprocess.Popen[bytes] | None = None
+        self._mapper = Mapper()
+        self._lender = Lender()
+        self._plan: Any = None
+        self._updates: dict[int, tuple[Adopt, int]] = {}  # fragment -> (update, buffer id)
+        self._requests: dict[int, Any] = {}
+        self._fatal: str | None = None
+        self._anchors: dict[int, int] = {}  # fragment -> buffer id the runtime may still read
+        self._release_next: list[int] = []
+        self._steps: list[StepReportItem] = []
+        self._snapshots: list[Snapshot] = []
+        self._lent_views: dict[int, tuple[int, memoryview]] = {}  # id(view) -> (buffer id, view)
+        self.closed = False
+
+    # -- what the runtime calls
+
+    def take(self) -> Inbox:
+        self._pump()
+        inbox = Inbox(
+            self._plan,
+            [],
+            [self._requests.pop(k) for k in sorted(self._requests)],
+            self._fatal,
+        )
+        self._plan = None
+        release = self._release_next
+        self._release_next = []
+        for fragment in sorted(self._updates):
+            adopt, bid = self._updates.pop(fragment)
+            inbox.updates.append(adopt)
+            previous = self._anchors.get(fragment)
+            if previous is not None:
+                # The runtime replaces its anchor at this boundary; give the old one back at the next.
+                self._release_next.append(previous)
+            self._anchors[fragment] = bid
+        if release:
+            self.channel.queue({"k": "release", "ids": release})
+            self._send()
+        return inbox
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until the child sends something or timeout_s passes (tau = 0, the first heal)."""
+        if self._plan is None and not self._updates and not self._requests and self._fatal is None:
+            import select  # noqa: PLC0415
+
+            select.select([self.channel.sock], [], [], max(0.0, timeout_s))
+
+    def snapshot_buffer(self, size: int) -> memoryview:
+        """Where the runtime copies a requested fragment: a buffer the child maps."""
+        bid, view, fd = self._lender.borrow(size)
+        if fd is not None:
+            self.channel.queue({"k": "new", "new": [[bid, size]]}, [fd])
+        self._lent_views[id(view)] = (bid, view)
+        return view
+
+    def send_snapshot(self, snapshot: Snapshot, *, wake: bool = True) -> None:
+        self._snapshots.append(snapshot)
+        if wake:
+            self.flush()
+
+    def report_step(self, item: StepReportItem, *, wake: bool = True) -> None:
+        self._steps.append(item)
+        if wake:
+            self.flush()
+
+    def flush(self) -> None:
+        snapshots, self._snapshots = self._snapshots, []
+        notes = []
+        for snapshot in snapshots:
+            if snapshot.ready is not None:
+                snapshot.ready()  # a device copy in flight (CUDA): the child reads these bytes next
+            lent = self._lent_views.pop(id(snapshot.theta), None)
+            if lent is None:  # not copied into a lent buffer: copy it into one now
+                view = self.snapshot_buffer(len(snapshot.theta))
+                view[:] = snapshot.theta
+                lent = self._lent_views.pop(id(view))
+            bid = lent[0]
+            notes.append(
+                [
+                    snapshot.fragment,
+                    snapshot.round,
+                    snapshot.base_version,
+                    snapshot.c_steps,
+                    snapshot.c_tokens,
+                    bid,
+                    len(snapshot.theta),
+                ]
+            )
+        if notes or self._steps:
+            steps = [[s.step, s.tokens, s.step_time_s] for s in self._steps]
+            self._steps = []
+            self.channel.queue({"k": "outbox", "steps": steps, "snapshots": notes})
+        self._send()
+
+    # -- the socket
+
+    def _send(self) -> None:
+        try:
+            self.channel.send()
+        except NetworkProcessError as exc:
+            self._died(str(exc))
+
+    def _pump(self) -> None:
+        self._send()
+        try:
+            messages = self.channel.receive()
+        except NetworkProcessError as exc:
+            self._died(str(exc))
+            return
+        for message, fds in messages:
+            kind = message["k"]
+            _take_fds(message, fds, self._mapper)
+            if kind == "inbox":
+                self._on_inbox(message)
+            elif kind == "release":
+                for bid in message["ids"]:
+                    self._lender.give_back(int(bid))
+            elif kind != "new":
+                raise NetworkProcessError(f"the network process sent {kind!r}")
+
+    def _on_inbox(self, message: dict[str, Any]) -> None:
+        control = decode_control(message["control"])
+        ids = message["ids"]
+        if len(ids) != len(control.updates):
+            raise NetworkProcessError("an inbox whose buffers do not match its updates")
+        if control.plan is not None:
+            self._plan = control.plan
+            # Updates and requests of an older plan mean nothing under the new one.
+            self._release_now([bid for _, bid in self._updates.values()])
+            self._updates.clear()
+            self._requests.clear()
+        for note, bid in zip(control.updates, ids, strict=True):
+            adopt = Adopt(
+                note.fragment,
+                note.version,
+                self._mapper.view(int(bid), note.nbytes),
+                note.heal,
+                note.incarnation,
+            )
+            pending = self._updates.get(note.fragment)
+            if pending is None or pending[0].version <= adopt.version or adopt.heal:
+                heal = adopt.heal or (pending is not None and pending[0].heal)
+                self._updates[note.fragment] = (
+                    Adopt(adopt.fragment, adopt.version, adopt.buffer, heal, adopt.incarnation),
+                    int(bid),
+                )
+                if pending is not None:
+                    self._release_now([pending[1]])
+            else:
+                self._release_now([int(bid)])
+        for request in control.requests:
+            self._requests[request.fragment] = request
+        if control.fatal is not None:
+            self._fatal = control.fatal
+
+    def _release_now(self, ids: list[int]) -> None:
+        if ids:
+            self.channel.queue({"k": "release", "ids": ids})
+
+    def _died(self, why: str) -> None:
+        status = None if self.process is None else self.process.poll()
+        raise NetworkProcessError(f"the learner's network process stopped ({why}; exit status {status})")
+
+    def spawn(self, config: dict[str, Any], side: socket.socket) -> None:
+        """Start the child on the other ends of the sockets and hand it its configuration."""
+        command = [sys.executable, "-m", "dilocod.learner.netproc"]
+        command += ["--data-fd", str(self._child_data.fileno()), "--side-fd", str(side.fileno())]
+        try:
+            self.process = subprocess.Popen(command, pass_fds=(self._child_data.fileno(), side.fileno()))
+        finally:
+            self._child_data.close()
+            side.close()
+        self.channel.queue({"k": "config", "config": config})
+        self._send()
+
+    def close(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
+        """Tell the child to stop (EOF on its data socket) and wait for it; its exit status."""
+        if self.closed:
+            return None if self.process is None else self.process.returncode
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self.channel.send()
+        with contextlib.suppress(OSError):
+            self.channel.sock.shutdown(socket.SHUT_RDWR)
+        self.channel.sock.close()
+        if self.process is None:
+            return None
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning("the network process did not stop in time: killed", timeout_s=timeout_s)
+            self.process.kill()
+            return self.process.wait()
+
+
+@dataclass(slots=True)
+class SideReader:
+    """The parent's view of the child's statistics (the side socket), read on an event loop."""
+
+    sock: socket.socket
+    stats: dict[str, Any] = field(default_factory=dict)
+    last_heard: float = field(default_factory=time.monotonic)
+    #: Set once the child has closed its end (after its last statistics).
+    finished: threading.Event = field(default_factory=threading.Event)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        channel = Channel(self.sock)
+        loop = asyncio.get_running_loop()
+        readable = asyncio.Event()
+        loop.add_reader(self.sock.fileno(), readable.set)
+        try:
+            while not stop.is_set():
+                waiter = asyncio.ensure_future(readable.wait())
+                stopper = asyncio.ensure_future(stop.wait())
+                await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                stopper.cancel()
+                readable.clear()
+                try:
+                    messages = channel.receive()
+                except NetworkProcessError:
+                    self.finished.set()
+                    return  # the child is gone: the training side reports it
+                for message, fds in messages:
+                    for fd in fds:
+                        os.close(fd)
+                    if message["k"] == "stats":
+                        self.stats = message["stats"]
+                        self.last_heard = time.monotonic()
+        finally:
+            loop.remove_reader(self.sock.fileno())
+
+    def alive(self, limit_s: float) -> bool:
+        return time.monotonic() - self.last_heard < limit_s
+
+
+def open_network_process() -> tuple[ProcessBridge, SideReader, socket.socket]:
+    """The parent's ends (the bridge, the statistics reader) and the child's side socket; the child
+    starts with bridge.spawn(config, side) once the configuration is complete."""
+    side_parent, side_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    return ProcessBridge(), SideReader(side_parent), side_child
+
+
+# ----------------------------------------------------------------------------- the child's side
+
+
+class ChildBridge(Bridge):
+    """The Link's Bridge in the child: what the Link posts is forwarded to the parent (once per
+    loop iteration), what the parent sends is handed to the Link as snapshots and step reports."""
+
+    def __init__(self, data: socket.socket) -> None:
+        super().__init__()
+        self.channel = Channel(data)
+        self._mapper = Mapper()
+        self._lender = Lender()
+        self._delivered: dict[int, dict[int, bytearray]] = {}
+        self._forward_scheduled = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.closed = asyncio.Event()
+
+    def start(
+        self, loop: asyncio.AbstractEventLoop, backlog: Sequence[tuple[dict[str, Any], list[int]]]
+    ) -> None:
+        """Serve the data socket on loop, starting with messages read before (with the config)."""
+        self._loop = loop
+        self._handle(backlog)
+        loop.add_reader(self.channel.sock.fileno(), self._on_readable)
+
+    # -- the Link posts (on the loop)
+
+    def post_plan(self, plan: Any) -> None:
+        super().post_plan(plan)
+        self._schedule()
+
+    def post_update(self, adopt: Adopt) -> None:
+        super().post_update(adopt)
+        self._schedule()
+
+    def post_request(self, request: Any) -> None:
+        super().post_request(request)
+        self._schedule()
+
+    def post_fatal(self, message: str) -> None:
+        super().post_fatal(message)
+        self._schedule()
+
+    def _schedule(self) -> None:
+        if not self._forward_scheduled and self._loop is not None:
+            self._forward_scheduled = True
+            self._loop.call_soon(self._forward)
+
+    def _forward(self) -> None:
+        self._forward_scheduled = False
+        inbox = self.take()
+        if inbox.plan is not None:
+            self._delivered.clear()
+        # A heal delivers every fragment at once: several messages, each within the descriptor limit.
+        updates = inbox.updates
+        first = True
+        while first or updates:
+            batch, updates = updates[:MAX_FDS], updates[MAX_FDS:]
+            part = Inbox(inbox.plan if first else None, batch, inbox.requests if first else [], None)
+            if not updates:
+                part.fatal = inbox.fatal
+            ids, new, fds = [], [], []
+            for update in batch:
+                bid, view, fd = self._lender.borrow(len(update.buffer))
+                view[:] = update.buffer
+                ids.append(bid)
+                if fd is not None:
+                    new.append([bid, len(update.buffer)])
+                    fds.append(fd)
+                versions = self._delivered.setdefault(update.fragment, {})
+                versions[update.version] = update.buffer  # the anchor, once the parent applies it
+                for old in sorted(versions)[:-3]:  # the parent applies one of the last few
+                    del versions[old]
+            self.channel.queue({"k": "inbox", "control": encode_control(part), "ids": ids, "new": new}, fds)
+            first = False
+        self._send()
+
+    def _send(self) -> None:
+        try:
+            done = self.channel.send()
+        except NetworkProcessError:
+            self.closed.set()
+            return
+        if not done and self._loop is not None:
+            self._loop.add_writer(self.channel.sock.fileno(), self._on_writable)
+
+    def _on_writable(self) -> None:
+        assert self._loop is not None
+        self._loop.remove_writer(self.channel.sock.fileno())
+        self._send()
+
+    # -- the parent's outbox (on the loop)
+
+    def _on_readable(self) -> None:
+        try:
+            messages = self.channel.receive()
+        except NetworkProcessError:
+            assert self._loop is not None
+            self._loop.remove_reader(self.channel.sock.fileno())
+            self.closed.set()
+            return
+        self._handle(messages)
+
+    def _handle(self, messages: Sequence[tuple[dict[str, Any], list[int]]]) -> None:
+        released = []
+        for message, fds in messages:
+            _take_fds(message, fds, self._mapper)
+            kind = message["k"]
+            if kind == "outbox":
+                for step, tokens, step_time_s in message["steps"]:
+                    self.report_step(StepReportItem(int(step), int(tokens), float(step_time_s)), wake=False)
+                for fragment, round_, base, c_steps, c_tokens, bid, size in message["snapshots"]:
+                    released.append(bid)
+                    theta = self._mapper.view(int(bid), int(size))
+                    self._snapshot(int(fragment), int(round_), int(base), int(c_steps), int(c_tokens), theta)
+            elif kind == "release":
+                for bid in message["ids"]:
+                    self._lender.give_back(int(bid))
+            elif kind != "new":
+                log.error("unexpected message from the training process", kind=kind)
+        if released:
+            self.channel.queue({"k": "release", "ids": released})
+            self._send()
+        self.flush()
+
+    def _snapshot(
+        self, fragment: int, round_: int, base: int, c_steps: int, c_tokens: int, lent: memoryview
+    ) -> None:
+        anchor = self._delivered.get(fragment, {}).get(base)
+        if anchor is None or len(anchor) != len(lent):
+            log.warning("no anchor for a snapshot: not pushed", fragment=fragment, base_version=base)
+            return
+        # Copied out at once, so the training process can reuse its buffer for the next snapshot.
+        theta = bytearray(lent)
+        versions = self._delivered[fragment]
+        for old in [v for v in versions if v < base]:
+            del versions[old]
+        self.send_snapshot(Snapshot(fragment, round_, base, c_steps, c_tokens, theta, anchor), wake=False)
+
+
+@dataclass(frozen=True, slots=True)
+class ChildConfig:
+    link: Any
+    model: tuple[Any, ...]
+    incarnation: str
+    use_uvloop: bool
+
+
+def encode_config(link: Any, model: Sequence[Any], incarnation: str, use_uvloop: bool) -> dict[str, Any]:
+    """The child's configuration as plain values (the TLS context is rebuilt from its files)."""
+    from dilocod.transport.tuning import advice_to_json  # noqa: PLC0415
+
+    values = {
+        name: getattr(link, name)
+        for name in (
+            "host",
+            "port",
+            "learner_id",
+            "secret",
+            "streams",
+            "codec",
+            "precision",
+            "chunk_bytes",
+            "join_timeout_s",
+            "backoff_min_s",
+            "backoff_max_s",
+        )
+    }
+    values["tls_files"] = None if link.tls_files is None else [str(p) for p in link.tls_files]
+    values["advice"] = None if link.advice is None else advice_to_json(link.advice)
+    return {
+        "link": values,
+        "model": [entry.to_wire() for entry in model],
+        "incarnation": incarnation,
+        "use_uvloop": use_uvloop,
+    }
+
+
+def decode_config(raw: dict[str, Any]) -> ChildConfig:
+    from pathlib import Path  # noqa: PLC0415
+
+    from dilocod.learner.link import LinkConfig  # noqa: PLC0415
+    from dilocod.transport.credentials import TlsFiles, client_context  # noqa: PLC0415
+    from dilocod.transport.tuning import advice_from_json  # noqa: PLC0415
+    from dilocod.wire.limits import DEFAULT_LIMITS  # noqa: PLC0415
+    from dilocod.wire.manifest import parse_model  # noqa: PLC0415
+
+    values = dict(raw["link"])
+    tls_files = values.pop("tls_files")
+    advice = values.pop("advice")
+    tls = None
+    if tls_files is not None:
+        files = tuple(Path(p) for p in tls_files)
+        tls = client_context(TlsFiles(*files))
+    link = LinkConfig(
+        **values,
+        tls=tls,
+        tls_files=None if tls_files is None else tuple(Path(p) for p in tls_files),
+        advice=None if advice is None else advice_from_json(advice),
+    )
+    return ChildConfig(link, parse_model(raw["model"], DEFAULT_LIMITS), raw["incarnation"], raw["use_uvloop"])
+
+
+async def _child_main(
+    data: socket.socket,
+    side: socket.socket,
+    config: ChildConfig,
+    backlog: Sequence[tuple[dict[str, Any], list[int]]],
+) -> None:
+    from dilocod.learner.link import Link  # noqa: PLC0415
+
+    loop = asyncio.get_running_loop()
+    bridge = ChildBridge(data)
+    bridge.start(loop, backlog)
+    link = Link(config.link, config.model, bridge)
+    link.incarnation = config.incarnation
+    stop = asyncio.Event()
+    side_channel = Channel(side)
+
+    async def stats() -> None:
+        while not stop.is_set():
+            values = asdict(link.stats)
+            side_channel.queue({"k": "stats", "stats": values})
+            with contextlib.suppress(NetworkProcessError):
+                side_channel.send()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(STATS_EVERY_S):
+                    await stop.wait()
+
+    async def until_parent_leaves() -> None:
+        await bridge.closed.wait()
+        stop.set()
+
+    async with asyncio.TaskGroup() as tasks:
+        helpers = [tasks.create_task(stats()), tasks.create_task(until_parent_leaves())]
+        try:
+            await link.run(stop)
+        finally:
+            stop.set()
+            for helper in helpers:
+                helper.cancel()
+    # The last word: what the session did to the end (the parent logs it as the learner stops).
+    side_channel.queue({"k": "stats", "stats": asdict(link.stats)})
+    side.setblocking(True)
+    with contextlib.suppress(NetworkProcessError, OSError):
+        side_channel.send()
+
+
+def child(argv: Sequence[str] | None = None) -> int:
+    """The child process: read the configuration, run the Link until the parent leaves."""
+    import argparse  # noqa: PLC0415
+
+    parser = argparse.ArgumentParser(description="dilocod learner's network process (started by the learner)")
+    parser.add_argument("--data-fd", type=int, required=True)
+    parser.add_argument("--side-fd", type=int, required=True)
+    args = parser.parse_args(argv)
+    # The parent decides when to stop (it finishes its step, saves, then closes our socket); a
+    # Ctrl-C on the terminal or systemd's SIGTERM to the whole unit must not cut the goodbye short.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from dilocod.ops.logging import configure_logging  # noqa: PLC0415
+    from dilocod.transport.loop import run  # noqa: PLC0415
+
+    configure_logging()
+    data = socket.socket(fileno=args.data_fd)
+    side = socket.socket(fileno=args.side_fd)
+    import select  # noqa: PLC0415
+
+    if not select.select([data], [], [], CONFIG_TIMEOUT_S)[0]:
+        log.error("no configuration from the learner", waited_s=CONFIG_TIMEOUT_S)
+        return 1
+    first = Channel(data).receive()
+    if not first or first[0][0]["k"] != "config":
+        log.error("the learner's first message is not the configuration")
+        return 1
+    config = decode_config(first[0][0]["config"])
+    run(_child_main(data, side, config, first[1:]), use_uvloop=config.use_uvloop)
+    return 0
+
+
+if __name__ == "__main__":
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    sys.exit(child())

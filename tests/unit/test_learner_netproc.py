@@ -1,0 +1,188 @@
+"""The process boundary of the learner's network (dilocod.learner.netproc) on real sockets and real
+shared memory, both ends in this process: datagrams with descriptors, lent buffers and their
+return, and the two bridges talking (an update reaches the training side byte for byte in memory
+the child wrote; a snapshot reaches the child with the anchor it delivered; superseded and applied
+buffers come back)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from dilocod.learner.bridge import Adopt, Snapshot, StepReportItem
+from dilocod.learner.netproc import (
+    MAX_DATAGRAM_BYTES,
+    Channel,
+    ChildBridge,
+    Lender,
+    Mapper,
+    NetworkProcessError,
+    ProcessBridge,
+)
+from dilocod.wire.messages import FragmentRequest
+
+DEADLINE_S = 10.0
+
+
+def test_datagrams_carry_messages_and_descriptors() -> None:
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    a, b = Channel(left), Channel(right)
+    read, write = os.pipe()
+    a.queue({"k": "one", "n": 1})
+    a.queue({"k": "two", "blob": b"\x00" * 1000}, [write])
+    assert a.send()
+    messages = b.receive()
+    assert [m["k"] for m, _ in messages] == ["one", "two"]
+    ((_, none), (two, fds)) = messages
+    assert none == [] and two["blob"] == b"\x00" * 1000 and len(fds) == 1
+    os.write(fds[0], b"x")  # the descriptor that arrived is the pipe's write end
+    assert os.read(read, 1) == b"x"
+    for fd in (*fds, read):
+        os.close(fd)
+    assert b.receive() == []  # nothing more: never waits
+    with pytest.raises(NetworkProcessError, match="does not fit"):
+        a.queue({"k": "big", "blob": b"\x00" * MAX_DATAGRAM_BYTES})
+    a.queue({"k": "last"})
+    a.send()
+    left.close()
+    # What came before the end is handed out first; then the end is reported.
+    assert [m["k"] for m, _ in b.receive()] == ["last"]
+    with pytest.raises(NetworkProcessError, match="closed its end"):
+        b.receive()
+    right.close()
+
+
+def test_lent_buffers_are_shared_and_reused() -> None:
+    lender, mapper = Lender(), Mapper()
+    bid, view, fd = lender.borrow(4096 + 3)
+    assert fd is not None
+    mapper.add(bid, os.dup(fd), 4096 + 3)
+    os.close(fd)
+    view[:5] = b"hello"
+    assert bytes(mapper.view(bid, 5)) == b"hello"  # one memory, two mappings
+    lender.give_back(bid)
+    again, view2, fd2 = lender.borrow(4096 + 3)
+    assert (again, fd2) == (bid, None) and bytes(view2[:5]) == b"hello"
+    with pytest.raises(NetworkProcessError, match="never lent"):
+        lender.give_back(999)
+    with pytest.raises(NetworkProcessError, match="never passed"):
+        mapper.view(999, 1)
+
+
+class _Child:
+    """A ChildBridge on its own event loop thread, as in the network process (without a Link)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.bridge = ChildBridge(sock)
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.call(self.bridge.start, self.loop, [])
+
+    def call(self, fn, *args):  # type: ignore[no-untyped-def]
+        done = threading.Event()
+        out = []
+
+        def run() -> None:
+            out.append(fn(*args))
+            done.set()
+
+        self.loop.call_soon_threadsafe(run)
+        assert done.wait(DEADLINE_S)
+        return out[0]
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(DEADLINE_S)
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[ProcessBridge, _Child]]:
+    parent = ProcessBridge()
+    child = _Child(parent._child_data)
+    try:
+        yield parent, child
+    finally:
+        parent.close()
+        child.close()
+
+
+def _take_until(parent: ProcessBridge, predicate) -> object:  # type: ignore[no-untyped-def]
+    for _ in range(100):
+        parent.wait(DEADLINE_S / 100)
+        inbox = parent.take()
+        if predicate(inbox):
+            return inbox
+    raise AssertionError("the child's messages did not arrive in time")
+
+
+def test_updates_cross_in_shared_memory_and_snapshots_come_back(pair: tuple[ProcessBridge, _Child]) -> None:
+    parent, child = pair
+    first = bytearray(range(256)) * 16
+    child.call(child.bridge.post_update, Adopt(3, 7, first, True, "inc"))
+    child.call(child.bridge.post_request, FragmentRequest(3, 11, 7))
+    inbox = _take_until(parent, lambda i: i.updates)
+    (update,) = inbox.updates
+    assert (update.fragment, update.version, update.heal, update.incarnation) == (3, 7, True, "inc")
+    assert isinstance(update.buffer, memoryview) and bytes(update.buffer) == bytes(first)
+    assert [r.round for r in inbox.requests] == [11]
+    # The training side copies θ into a buffer the child maps and reports a step.
+    theta = parent.snapshot_buffer(len(first))
+    theta[:] = bytes(reversed(first))
+    parent.send_snapshot(Snapshot(3, 11, 7, 5, 640, theta, update.buffer), wake=False)
+    parent.report_step(StepReportItem(5, 128, 0.02), wake=False)
+    parent.flush()
+    for _ in range(100):
+        snapshots, steps = child.call(child.bridge.drain)
+        if snapshots:
+            break
+        threading.Event().wait(DEADLINE_S / 100)
+    (snapshot,) = snapshots
+    assert (
+        snapshot.fragment,
+        snapshot.round,
+        snapshot.base_version,
+        snapshot.c_steps,
+        snapshot.c_tokens,
+    ) == (
+        3,
+        11,
+        7,
+        5,
+        640,
+    )
+    assert bytes(snapshot.theta) == bytes(reversed(first))
+    assert snapshot.anchor is first  # the child's own copy of what it delivered, not shared memory
+    assert steps == [StepReportItem(5, 128, 0.02)]
+    # The child copied θ out and gave the buffer back: the next snapshot reuses it.
+    _take_until(parent, lambda _: parent._lender.lent == 0)
+    assert parent.snapshot_buffer(len(first)).obj is theta.obj
+
+
+def test_superseded_and_replaced_updates_are_given_back(pair: tuple[ProcessBridge, _Child]) -> None:
+    parent, child = pair
+    for version in (1, 2):
+        child.call(child.bridge.post_update, Adopt(0, version, bytearray([version]) * 64, False, "i"))
+        # Each forwarded on its own loop iteration: two inbox messages, two buffers.
+        child.call(lambda: None)
+    inbox = _take_until(parent, lambda i: i.updates)
+    assert [u.version for u in inbox.updates] == [2]  # the newer replaced the older before it was taken
+    _take_until(parent, lambda _: child.call(lambda: child.bridge._lender.lent) == 1)
+    child.call(child.bridge.post_update, Adopt(0, 3, bytearray([3]) * 64, False, "i"))
+    inbox = _take_until(parent, lambda i: i.updates)
+    assert bytes(inbox.updates[0].buffer) == bytes([3]) * 64
+    # Version 2 was the runtime's anchor until this boundary: it goes back at the next one.
+    assert child.call(lambda: child.bridge._lender.lent) == 2
+    _take_until(parent, lambda _: child.call(lambda: child.bridge._lender.lent) == 1)
+
+
+def test_a_child_that_is_gone_is_an_error_not_a_hang(pair: tuple[ProcessBridge, _Child]) -> None:
+    parent, child = pair
+    child.call(child.bridge.channel.sock.close)
+    with pytest.raises(NetworkProcessError, match="network process stopped"):
+        _take_until(parent, lambda _: False)

@@ -1,13 +1,16 @@
 """`dilocod learner` from configuration to a running learner: the user's entry loaded and checked
-before anything connects, the local state restored, the network on its own event-loop thread, the
-training loop on the main thread, and an orderly exit (local state saved, goodbye said) on SIGTERM,
-SIGINT or when --steps are done.
+before anything connects, the local state restored, the network started (by default in a child
+process, dilocod.learner.netproc, so that its CPU time and the GIL stay off the training thread;
+with --network thread on an event-loop thread of this process), the training loop on the main
+thread, and an orderly exit (local state saved, goodbye said) on SIGTERM, SIGINT or when --steps
+are done.
 
 With a systemd notify socket (Type=notify), rank 0 says READY=1 once the entry is loaded, its state
-restored and the network thread started; STATUS= every --progress-every-s; STOPPING=1 when it
-starts to wind down. Watchdog pings come from the network thread's event loop (so a blocked loop
-stops them) and only while no single step has run for the whole watchdog timeout (so a hung
-training step stops them too): WatchdogSec= must exceed the slowest step, the first one included.
+restored and the network started; STATUS= every --progress-every-s; STOPPING=1 when it starts to
+wind down. Watchdog pings come from an event-loop thread of this process (the network's, or the one
+reading the network process's statistics) and only while that loop runs, the network process
+still reports, and no single step has run for the whole watchdog timeout (so a hung training step
+stops them too): WatchdogSec= must exceed the slowest step, the first one included.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from dilocod.learner.state import LocalStateError
 from dilocod.ops.notify import USEC_PER_S, Notifier, watchdog_loop
 
 log = structlog.get_logger("dilocod.learner")
-#: How long the network thread may take to say goodbye once training has stopped.
+#: How long the network (process or thread) may take to say goodbye once training has stopped.
 NETWORK_STOP_TIMEOUT_S = 30.0
 #: How long to wait for a stopped network process's last statistics.
 SIDE_DRAIN_TIMEOUT_S = 5.0

@@ -5,7 +5,7 @@ At a step boundary, in this order:
 1. merged fragments that arrived are applied (heal: overwrite; otherwise the chosen mode), the
    update's buffer becomes the fragment's anchor, its counters restart;
 2. requested fragments are copied out (to host memory, in wire layout) with their counters and
-   anchor, for the network thread to turn into a push;
+   anchor, for the network (thread or process) to turn into a push;
 then the user's step runs. Nothing here waits on the network, except with tau = 0 (lock-step: the
 learner waits for the merged fragment it pushed before stepping on) and, once at start, for the
 first heal (bounded by join_timeout_s; training starts anyway when the syncer is away).

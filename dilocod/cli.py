@@ -635,8 +635,9 @@ def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: An
     Loads --entry and checks it before connecting anywhere. The training loop runs on the main
     thread; the network in a child process (or, with --network thread, on a thread). At step
     boundaries it copies requested fragments out (their outer gradients are computed off the
-    training thread) and applies merged fragments as they arrive. Reconnects with backoff and heals from the syncer after any restart. Every flag
-    is also a key of the --config TOML file; flags win. SIGTERM saves the local state and exits.
+    training thread) and applies merged fragments as they arrive. Reconnects with backoff and
+    heals from the syncer after any restart. Every flag is also a key of the --config TOML file;
+    flags win. SIGTERM saves the local state and exits.
     """
     from dilocod.config import LEARNER_FIELDS, LearnerConfig, load_config  # noqa: PLC0415
     from dilocod.ops.logging import configure_logging  # noqa: PLC0415

@@ -57,6 +57,10 @@ async def _dial(
                 ssl=ssl,
                 server_hostname=host if ssl else None,
             )
+            if proto.closed.done():
+                # Reset between the TCP connect and HELLO (a refusing middlebox, a syncer going
+                # down): a connection that failed, for the caller to retry, not our protocol bug.
+                raise ConnectionError(f"{host}:{port} closed the connection before the handshake")
             conn.start(kind=kind, role=role, session=session)
             proto.flush()
             try:

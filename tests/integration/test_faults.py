@@ -10,6 +10,7 @@ serving good clients, which every bad-input test checks with a whole fragment ro
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 from collections.abc import Callable
 
@@ -18,10 +19,12 @@ import msgpack
 import pytest
 import zstandard
 
+from dilocod.transport import endpoints
 from dilocod.transport.credentials import client_context, server_context
 from dilocod.transport.endpoints import connect
 from dilocod.transport.errors import HandshakeFailed
 from dilocod.transport.loop import run
+from dilocod.transport.protocol import FrameProtocol
 from dilocod.transport.session import Session
 from dilocod.wire import codecs
 from dilocod.wire.connection import PROTOCOL_MAX_VERSION
@@ -349,6 +352,30 @@ def test_truncated_frame_then_half_close(
     reply = raw_exchange(server.port, payload, shut_write=True)
     assert reply.closed and reply.frames == []
     _serves(server, fragments)
+
+
+class _ResetOnArrival(FrameProtocol):
+    """A connection the network resets as soon as it is made (a refusing proxy, a middlebox)."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        transport.abort()  # type: ignore[attr-defined]
+
+
+def test_a_connection_reset_before_the_handshake_is_a_connection_error(
+    arun: Arun, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reset between the TCP connect and HELLO: the dialer sees a ConnectionError to retry (found
+    by tests/chaos: it was a LocalProtocolError, "HELLO after close", that ended a learner)."""
+    monkeypatch.setattr(endpoints, "FrameProtocol", _ResetOnArrival)
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # the kernel completes the connect
+
+        async def main() -> None:
+            for _ in range(5):
+                with pytest.raises(ConnectionError):
+                    await connect("127.0.0.1", listener.getsockname()[1], peer_id="learner", streams=0)
+
+        arun(main())
 
 
 def test_data_connection_for_unknown_session(bench_servers: BenchServers, fragments: Fragments) -> None:

@@ -3,14 +3,16 @@
 The model is a small byte-level GPT built by an entry module written into a temporary directory
 (4 blocks, 4 heads, width chosen from --params, untied head, float32, fixed seed: 53 parameter
 tensors), trained with AdamW on 2 sequences of 32 tokens of a fixed synthetic byte stream per
-step, with --torch-threads intra-op threads. The same entry's Trainer.step is run two ways, each
-in its own child process:
+step, with --torch-threads intra-op threads. The same entry's Trainer.step is run alone and under
+dilocod, each in its own child process:
 
 - alone: a plain loop calling trainer.step(i), no dilocod runtime (the entry is imported and its
   factory called with role "learner"; nothing else of dilocod runs);
 - under dilocod: `python -m dilocod learner --steps N` against a real `python -m dilocod syncer
   --fragments 24 --sync-every 24 --overlap 2` (P = H = 24, tau = 2; otherwise the syncer's
-  defaults, K = 1, RDA, uncompressed) on 127.0.0.1, a fresh syncer for every run.
+  defaults, K = 1, RDA, uncompressed) on 127.0.0.1, a fresh syncer for every run, once per
+  --networks value: the learner's link in a child process (`--network process`, its default) and
+  on a thread of the training process (`--network thread`).
 
 The step times are taken by the entry itself, identically in both: time.perf_counter() at the end
 of each step (after the optimizer step and the loss read back), and the interval from the end of
@@ -24,16 +26,17 @@ the syncer's buffers exist) the next --steps intervals are kept, with the proces
 merged" log lines (JSON on its stderr) whose timestamps fall in the window are the rounds merged
 during the measurement.
 
-The two are alternated (--reps pairs per placement, the order swapped from one pair to the next)
-so load from other tenants of this shared 2-core machine hits both, and the medians are taken
-over the intervals of all pairs. Placements (--placements), since the syncer here shares the two
-cores with the learner, which it never does across sites:
+The runs are interleaved (--reps rounds per placement, alone and each network, the order rotated
+from one round to the next) so load from other tenants of this shared 2-core machine hits all of
+them, and the medians are taken over the intervals of all rounds. Placements (--placements),
+since the syncer here shares the two cores with the learner, which it never does across sites:
 
 - shared: no pinning, the scheduler places every thread of both processes;
-- pinned: the learner process (training, network and push threads) on CPU 0, the syncer on CPU 1;
-  the alone process on CPU 0;
-- split: the learner's training thread on CPU 0, its network and push threads with the syncer on
-  CPU 1 (the shape of a learner host with cores to spare); the alone process on CPU 0.
+- pinned: the learner process (training, network and push threads, and its network process,
+  which inherits the affinity) on CPU 0, the syncer on CPU 1; the alone process on CPU 0;
+- split: the learner's training thread on CPU 0, its other threads with the syncer on CPU 1 (the
+  shape of a learner host with cores to spare); the alone process on CPU 0. The network process
+  is started from the training thread after it is pinned, so it runs on CPU 0 here too.
 
 It measures and records; it asserts nothing. Run from the repository root:
 ``python bench/learner_overhead.py [--steps 300] [--params 2500000] [--json FILE]``.
@@ -384,10 +387,12 @@ def measure_placement(
     elif name == "split":
         learner_cpus, syncer_cpus, alone_cpus = {1}, {1}, {0}
         config["pin_main_thread"] = 0
+    kinds = ["alone", *(f"dilocod-{network}" for network in args.networks)]
     pairs = []
     for rep in range(args.reps):
         pair: dict[str, Any] = {}
-        for kind in ("alone", "dilocod") if rep % 2 == 0 else ("dilocod", "alone"):
+        # Each rep rotates the order, so no kind always runs first (or right after another).
+        for kind in kinds[rep % len(kinds) :] + kinds[: rep % len(kinds)]:
             times_path = work / f"{name}-{rep}-{kind}.json"
             run_config = {**config, "times": str(times_path)}
             if kind == "alone":
@@ -396,23 +401,26 @@ def measure_placement(
                 times = json.loads(times_path.read_text())
                 pair["alone"] = {"summary": summarise(times), "times": times}
             else:
+                run_config["network"] = kind.removeprefix("dilocod-")
                 logs = run_under_dilocod(entry_dir, work, run_config, learner_cpus, syncer_cpus)
                 times = json.loads(times_path.read_text())
                 summary = summarise(times) | merged_in_window(logs, times)
-                pair["dilocod"] = {"summary": summary, "times": times}
-        a, d = pair["alone"]["summary"], pair["dilocod"]["summary"]
-        print(
-            f"{name} pair {rep}: alone {a['median_ms']:.2f} ms, dilocod {d['median_ms']:.2f} ms "
-            f"({d['median_ms'] / a['median_ms'] - 1:+.1%}), {d['rounds_merged']} rounds merged",
-            file=sys.stderr,
+                pair[kind] = {"summary": summary, "times": times}
+        a = pair["alone"]["summary"]
+        line = ", ".join(
+            f"{kind} {pair[kind]['summary']['median_ms']:.2f} ms "
+            f"({pair[kind]['summary']['median_ms'] / a['median_ms'] - 1:+.1%}, "
+            f"{pair[kind]['summary']['rounds_merged']} rounds)"
+            for kind in kinds[1:]
         )
+        print(f"{name} pair {rep}: alone {a['median_ms']:.2f} ms, {line}", file=sys.stderr)
         pairs.append(pair)
-    return aggregate(name, pairs)
+    return aggregate(name, pairs, kinds)
 
 
-def aggregate(name: str, pairs: list[dict[str, Any]]) -> dict[str, Any]:
+def aggregate(name: str, pairs: list[dict[str, Any]], kinds: list[str]) -> dict[str, Any]:
     pooled: dict[str, dict[str, Any]] = {}
-    for kind in ("alone", "dilocod"):
+    for kind in kinds:
         intervals = [x for p in pairs for x in p[kind]["times"]["intervals_s"]]
         work = [x for p in pairs for x in p[kind]["times"]["work_s"]]
         summaries = [p[kind]["summary"] for p in pairs]
@@ -426,21 +434,20 @@ def aggregate(name: str, pairs: list[dict[str, Any]]) -> dict[str, Any]:
             "process_cores": statistics.fmean(s["process_cores"] for s in summaries),
             "training_thread_cores": statistics.fmean(s["training_thread_cores"] for s in summaries),
         }
-        if kind == "dilocod":
+        if kind != "alone":
             pooled[kind]["rounds_merged"] = sum(s["rounds_merged"] for s in summaries)
             pooled[kind]["syncer_cores"] = statistics.fmean(s.get("syncer_cores", 0.0) for s in summaries)
-    a, d = pooled["alone"], pooled["dilocod"]
-    return {
-        "placement": name,
-        "alone": a,
-        "dilocod": d,
-        "overhead_median": d["median_ms"] / a["median_ms"] - 1,
-        "overhead_p90": d["p90_ms"] / a["p90_ms"] - 1,
-        "overhead_median_per_pair": [
-            p["dilocod"]["summary"]["median_ms"] / p["alone"]["summary"]["median_ms"] - 1 for p in pairs
-        ],
-        "pairs": [{k: p[k]["summary"] for k in ("alone", "dilocod")} for p in pairs],
-    }
+    a = pooled["alone"]
+    out: dict[str, Any] = {"placement": name, **pooled}
+    for kind in kinds[1:]:
+        d = pooled[kind]
+        out[f"overhead_median_{kind}"] = d["median_ms"] / a["median_ms"] - 1
+        out[f"overhead_p90_{kind}"] = d["p90_ms"] / a["p90_ms"] - 1
+        out[f"overhead_median_per_pair_{kind}"] = [
+            p[kind]["summary"]["median_ms"] / p["alone"]["summary"]["median_ms"] - 1 for p in pairs
+        ]
+    out["pairs"] = [{k: p[k]["summary"] for k in kinds} for p in pairs]
+    return out
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -467,14 +474,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--torch-threads", type=int, default=1, help="intra-op threads in both (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="data seed handed to the factory (default 0)")
     parser.add_argument(
-        "--network",
-        choices=("process", "thread"),
-        default="process",
-        help="where the learner runs its link to the syncer (default: process, the learner's default)",
+        "--networks",
+        default="process,thread",
+        help="where the learner runs its link to the syncer, each measured beside the same alone "
+        "runs (default: process,thread; process is the learner's default)",
     )
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write the numbers")
     args = parser.parse_args(argv)
     args.placements = [p.strip() for p in args.placements.split(",") if p.strip()]
+    args.networks = [n.strip() for n in args.networks.split(",") if n.strip()]
+    if not args.networks or set(args.networks) - {"process", "thread"}:
+        parser.error("--networks takes process, thread or both")
     unknown = set(args.placements) - {"shared", "pinned", "split"}
     if unknown:
         parser.error(f"unknown placement(s): {', '.join(sorted(unknown))}")
@@ -496,7 +506,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "steps": args.steps,
         "torch_threads": args.torch_threads,
         "seed": args.seed,
-        "network": args.network,
     }
     machine = machine_facts("dilocod")
     started = time.monotonic()
@@ -531,12 +540,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     for r in results:
-        a, d = r["alone"], r["dilocod"]
-        print(
-            f"{r['placement']:>6}: alone median {a['median_ms']:.2f} ms p90 {a['p90_ms']:.2f} ms | "
-            f"dilocod median {d['median_ms']:.2f} ms p90 {d['p90_ms']:.2f} ms | "
-            f"overhead {r['overhead_median']:+.2%} | rounds merged {d['rounds_merged']}"
-        )
+        a = r["alone"]
+        for kind in (k for k in r if k.startswith("dilocod-")):
+            d = r[kind]
+            print(
+                f"{r['placement']:>6}: alone median {a['median_ms']:.2f} ms p90 {a['p90_ms']:.2f} ms | "
+                f"{kind} median {d['median_ms']:.2f} ms p90 {d['p90_ms']:.2f} ms | "
+                f"overhead {r[f'overhead_median_{kind}']:+.2%} | rounds merged {d['rounds_merged']}"
+            )
     return 0
 
 

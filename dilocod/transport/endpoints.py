@@ -22,7 +22,7 @@ from dilocod.wire.connection import Connection
 from dilocod.wire.errors import ErrorCode, ProtocolError
 from dilocod.wire.events import HandshakeCompleted
 from dilocod.wire.limits import DEFAULT_LIMITS, Limits
-from dilocod.wire.states import Role
+from dilocod.wire.states import Role, State
 from dilocod.wire.stream import Allocate
 
 CAPABILITIES = ("lz4", "zstd", "shuffle")
@@ -57,9 +57,11 @@ async def _dial(
                 ssl=ssl,
                 server_hostname=host if ssl else None,
             )
-            if proto.closed.done():
+            if conn.state is State.CLOSED or proto.closed.done():
                 # Reset between the TCP connect and HELLO (a refusing middlebox, a syncer going
                 # down): a connection that failed, for the caller to retry, not our protocol bug.
+                if proto.transport is not None:
+                    proto.transport.close()
                 raise ConnectionError(f"{host}:{port} closed the connection before the handshake")
             conn.start(kind=kind, role=role, session=session)
             proto.flush()

@@ -362,12 +362,23 @@ class _ResetOnArrival(FrameProtocol):
         transport.abort()  # type: ignore[attr-defined]
 
 
-def test_a_connection_reset_before_the_handshake_is_a_connection_error(
-    arun: Arun, monkeypatch: pytest.MonkeyPatch
+class _ClosedOnArrival(FrameProtocol):
+    """A connection whose peer closes it (FIN) as soon as it is made: its end of file has reached
+    the protocol core, the transport is not closed yet (uvloop can order it so), and the dialer
+    has not sent HELLO."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.conn.receive_eof()
+
+
+@pytest.mark.parametrize("protocol", [_ResetOnArrival, _ClosedOnArrival], ids=["reset", "closed"])
+def test_a_connection_lost_before_the_handshake_is_a_connection_error(
+    arun: Arun, monkeypatch: pytest.MonkeyPatch, protocol: type[FrameProtocol]
 ) -> None:
-    """Reset between the TCP connect and HELLO: the dialer sees a ConnectionError to retry (found
+    """Lost between the TCP connect and HELLO: the dialer sees a ConnectionError to retry (found
     by tests/chaos: it was a LocalProtocolError, "HELLO after close", that ended a learner)."""
-    monkeypatch.setattr(endpoints, "FrameProtocol", _ResetOnArrival)
+    monkeypatch.setattr(endpoints, "FrameProtocol", protocol)
     with socket.create_server(("127.0.0.1", 0)) as listener:  # the kernel completes the connect
 
         async def main() -> None:

@@ -117,6 +117,8 @@ class LinkConfig:
 class LinkStats:
     connected: bool = False
     sessions: int = 0
+    #: Sessions that got as far as PLAN (joined), of `sessions` opened.
+    joins: int = 0
     pushes_sent: int = 0
     pushes_refused: int = 0
     updates_received: int = 0
@@ -222,6 +224,7 @@ class Link:
         attempt = 0
         try:
             while not stop.is_set():
+                joins = self.stats.joins
                 try:
                     await self._one_session(stop)
                     attempt = 0
@@ -230,6 +233,10 @@ class Link:
                     self.bridge.post_fatal(str(exc))
                     return
                 except (OSError, ConnectionError, TimeoutError) as exc:
+                    if self.stats.joins > joins:
+                        # A session that joined and then broke: a new outage, retried from the
+                        # shortest delay (not from where the retries of earlier outages left off).
+                        attempt = 0
                     log.warning("syncer unreachable", error=str(exc) or type(exc).__name__, attempt=attempt)
                 if stop.is_set():
                     break
@@ -285,6 +292,7 @@ class Link:
                 raise FatalLinkError(str(exc)) from None
             self._adopt_plan(first)
             self.stats.connected = True
+            self.stats.joins += 1
             log.info("joined", syncer=f"{self.config.host}:{self.config.port}", incarnation=first.incarnation)
             closed = asyncio.ensure_future(stop.wait())
             try:

@@ -1,0 +1,120 @@
+"""Chaos against fault-free, on real processes: eval loss, goodput, faults, pushes, memory.
+
+Each repeat runs the harness of tests/chaos/ twice with the same length: a syncer and three learners
+(charlm, 4 fragments, H = 8, K = 1, checkpoints every 5 s) on loopback, once without faults and
+once under the chaos schedule (network faults through the fault proxy about every 1 s, learners
+killed with -9 mid-push and mid-update, SIGSTOP 3 s and 40 s, a 20 s partition, a 3 s sever, the
+syncer killed with -9 and restarted). The two orders alternate between repeats, and each repeat
+uses its own schedule seed. The numbers come from the daemons themselves: goodput from the
+syncer's `dilocod status --json` just before the learners are stopped (reported step time over
+wall time since each learner id first joined), eval loss of the syncer's last checkpoint
+(charlm.evaluate, nats per byte on fixed held-out windows).
+
+Targets (bench/RESULTS.md §8): the chaos run's eval loss within 3 % of the fault-free run's, and
+the goodput of the surviving learner (c: network faults and the syncer's restart only, never
+killed or stopped) at least 85 %.
+
+Usage: python bench/chaos.py [--repeats 2] [--duration-s 150] [--out bench/results/chaos.json]
+       [--keep DIR]
+A benchmark: it measures and records, it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "bench" / "results" / "chaos.json"
+# The harness lives with the chaos tests (tests/chaos/), which import it as a package.
+sys.path.insert(0, str(ROOT))
+
+from tests.chaos.harness import SURVIVOR, ChaosPlan, ChaosReport, ChaosRun  # noqa: E402
+
+
+def row(report: ChaosReport) -> dict[str, Any]:
+    return {
+        **report.summary(),
+        "seed": report.plan.seed,
+        "duration_s": report.plan.duration_s,
+        "faults_on": report.plan.faults,
+        "learner_steps": {learner["id"]: learner["steps"] for learner in report.status.get("learners", [])},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--repeats", type=int, default=2, help="pairs of runs (fault-free, chaos)")
+    parser.add_argument("--duration-s", type=float, default=150.0, help="length of each run's schedule")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON file the results go to")
+    parser.add_argument("--keep", type=Path, default=None, help="keep the daemons' logs and state here")
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.duration_s < 60:
+        parser.error("--repeats must be >= 1 and --duration-s >= 60")
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+
+    runs: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        root = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dilocod-chaos-")))
+        for repeat in range(args.repeats):
+            order = (False, True) if repeat % 2 == 0 else (True, False)
+            for faults in order:
+                name = f"{'chaos' if faults else 'fault-free'}-{repeat}"
+                plan = ChaosPlan(work=root / name, duration_s=args.duration_s, faults=faults, seed=repeat)
+                report = ChaosRun(plan).run()
+                runs.append({"name": name, "repeat": repeat, **row(report)})
+                goodput = " ".join(f"{k} {v:.1%}" for k, v in sorted(report.goodput.items()))
+                say(
+                    f"{name:<14} eval loss {report.eval_loss:.4f}  goodput {goodput}"
+                    f"  faults {report.injected}"
+                    f"  lost {len(report.lost)}  twice {len(report.double_applied)}"
+                    f"  crashes {len(report.crashes)}  ({report.wall_s:.0f} s)"
+                )
+    pairs = []
+    for repeat in range(args.repeats):
+        clean = next(r for r in runs if r["repeat"] == repeat and not r["faults_on"])
+        chaos = next(r for r in runs if r["repeat"] == repeat and r["faults_on"])
+        pairs.append(
+            {
+                "repeat": repeat,
+                "eval_loss_fault_free": clean["eval_loss"],
+                "eval_loss_chaos": chaos["eval_loss"],
+                "eval_loss_ratio": round(chaos["eval_loss"] / clean["eval_loss"], 4),
+                "survivor_goodput": chaos["goodput"][SURVIVOR],
+                "fault_free_goodput": min(clean["goodput"].values()),
+            }
+        )
+    document = {
+        "command": "python bench/chaos.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "duration_s": args.duration_s,
+        "repeats": args.repeats,
+        "pairs": pairs,
+        "runs": runs,
+        "mean_eval_loss_ratio": round(statistics.fmean(p["eval_loss_ratio"] for p in pairs), 4),
+        "faults_injected": sum(r["faults_injected"] for r in runs),
+        "lost_pushes": sum(r["lost_pushes"] for r in runs),
+        "double_applied_pushes": sum(r["double_applied_pushes"] for r in runs),
+        "crashes": sum(len(r["crashes"]) for r in runs),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(document, indent=1, default=str) + "\n")
+    for pair in pairs:
+        say(
+            f"repeat {pair['repeat']}: eval loss {pair['eval_loss_chaos']:.4f} under chaos against "
+            f"{pair['eval_loss_fault_free']:.4f} fault-free ({100 * (pair['eval_loss_ratio'] - 1):+.1f} %), "
+            f"survivor goodput {pair['survivor_goodput']:.1%} (fault-free {pair['fault_free_goodput']:.1%})"
+        )
+    say(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -145,7 +145,7 @@ def run_demo(plan: DemoPlan, say: Say) -> dict[str, Any]:
             raise RuntimeError(f"the syncer did not stop cleanly; see {syncer.log_path}")
         loss = _evaluate(work / "syncer", plan.entry)
         result["eval_loss"] = loss
-        say(f"eval loss: {loss:.4f}")
+        say(f"eval loss: {loss:.4g}")  # 4 significant digits: a small task can end near 1e-5
         if plan.plot is not None:
             _plot(plan.plot, learners, loss, say)
         return result

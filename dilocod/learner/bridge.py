@@ -71,6 +71,15 @@ class Inbox:
     fatal: str | None = None
 
 
+def newer_update(pending: Adopt | None, adopt: Adopt) -> Adopt | None:
+    """What replaces a fragment's update not yet applied when another arrives: the newer one (or a
+    heal, whatever its version), still a heal if either was; None when the arrival is older."""
+    if pending is not None and pending.version > adopt.version and not adopt.heal:
+        return None
+    heal = adopt.heal or (pending is not None and pending.heal)
+    return Adopt(adopt.fragment, adopt.version, adopt.buffer, heal, adopt.incarnation)
+
+
 class TrainingSide(Protocol):
     """What the training loop calls on its bridge, whether the network is a thread (Bridge) or a
     process (dilocod.learner.netproc.ProcessBridge). None of it waits, but wait()."""
@@ -113,15 +122,9 @@ class Bridge:
 
     def post_update(self, adopt: Adopt) -> None:
         with self._posted:
-            pending = self._updates.get(adopt.fragment)
-            if pending is None or pending.version <= adopt.version or adopt.heal:
-                self._updates[adopt.fragment] = Adopt(
-                    adopt.fragment,
-                    adopt.version,
-                    adopt.buffer,
-                    adopt.heal or (pending is not None and pending.heal),
-                    adopt.incarnation,
-                )
+            kept = newer_update(self._updates.get(adopt.fragment), adopt)
+            if kept is not None:
+                self._updates[adopt.fragment] = kept
             self._posted.notify_all()
 
     def post_request(self, request: FragmentRequest) -> None:

@@ -34,6 +34,7 @@ import contextlib
 import itertools
 import mmap
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -48,7 +49,7 @@ from typing import Any
 import msgpack
 import structlog
 
-from dilocod.learner.bridge import Adopt, Bridge, Inbox, Snapshot, StepReportItem
+from dilocod.learner.bridge import Adopt, Bridge, Inbox, Snapshot, StepReportItem, newer_update
 from dilocod.learner.control import decode_control, encode_control
 
 log = structlog.get_logger("dilocod.learner")
@@ -190,10 +191,6 @@ class Channel:
                 raise NetworkProcessError("a message from the other process without a kind")
             out.append((message, fds))
 
-    @property
-    def pending(self) -> bool:
-        return bool(self._out)
-
 
 def _take_fds(message: dict[str, Any], fds: list[int], mapper: Mapper) -> None:
     """Map the buffers a message introduces ("new": [[id, size], ...], one descriptor each)."""
@@ -259,8 +256,6 @@ class ProcessBridge:
     def wait(self, timeout_s: float) -> None:
         """Block until the child sends something or timeout_s passes (tau = 0, the first heal)."""
         if self._plan is None and not self._updates and not self._requests and self._fatal is None:
-            import select  # noqa: PLC0415
-
             select.select([self.channel.sock], [], [], max(0.0, timeout_s))
 
     def snapshot_buffer(self, size: int) -> memoryview:
@@ -356,16 +351,13 @@ class ProcessBridge:
                 note.incarnation,
             )
             pending = self._updates.get(note.fragment)
-            if pending is None or pending[0].version <= adopt.version or adopt.heal:
-                heal = adopt.heal or (pending is not None and pending[0].heal)
-                self._updates[note.fragment] = (
-                    Adopt(adopt.fragment, adopt.version, adopt.buffer, heal, adopt.incarnation),
-                    int(bid),
-                )
-                if pending is not None:
-                    self._release_now([pending[1]])
-            else:
+            kept = newer_update(None if pending is None else pending[0], adopt)
+            if kept is None:
                 self._release_now([int(bid)])
+                continue
+            self._updates[note.fragment] = (kept, int(bid))
+            if pending is not None:
+                self._release_now([pending[1]])
         for request in control.requests:
             self._requests[request.fragment] = request
         if control.fatal is not None:
@@ -725,8 +717,6 @@ def child(argv: Sequence[str] | None = None) -> int:
     configure_logging()
     data = socket.socket(fileno=args.data_fd)
     side = socket.socket(fileno=args.side_fd)
-    import select  # noqa: PLC0415
-
     if not select.select([data], [], [], CONFIG_TIMEOUT_S)[0]:
         log.error("no configuration from the learner", waited_s=CONFIG_TIMEOUT_S)
         return 1

@@ -54,16 +54,6 @@ class Progress(Protocol):
     def advance(self, label: str) -> None: ...
 
 
-class Quiet:
-    """A progress sink that shows nothing (tests, and --json - with no terminal)."""
-
-    def note(self, line: str) -> None:
-        pass
-
-    def advance(self, label: str) -> None:
-        pass
-
-
 @dataclass(frozen=True, slots=True)
 class RunPlan:
     size_bytes: int = 256 << 20
@@ -74,7 +64,6 @@ class RunPlan:
     chunk_bytes: int = 1 << 20
     data: str = "bf16"
     assumed_rtt_s: float = 0.05
-    use_uvloop: bool = True
     #: CPU threads each end can spend compressing (the codec model's `threads`); None = all cores.
     #: `bench local` runs both ends on one host, so each gets half.
     threads: int | None = None
@@ -120,7 +109,8 @@ def measure_rtt(host: str, port: int, samples: int = RTT_SAMPLES) -> float:
     return statistics.median(times)
 
 
-async def _status(session: Session) -> dict[str, Any]:
+async def server_status(session: Session) -> dict[str, Any]:
+    """The bench server's StatusResponse (its ports, CPU seconds and wall clock)."""
     await session.send(StatusRequest())
     while True:
         item = await session.recv()
@@ -128,7 +118,8 @@ async def _status(session: Session) -> dict[str, Any]:
             return item.status
 
 
-def _wire_bytes(session: Session) -> int:
+def wire_bytes(session: Session) -> int:
+    """Bytes this session has written on all its connections (frames included)."""
     return sum(p.conn.bytes_sent for p in [session.control, *session.data])
 
 
@@ -197,13 +188,13 @@ class _Link:
         for _ in range(self.repeats):
             ceiling = self.data_gbps(raw.send(view))
             ceilings.append(ceiling)
-            wire_before = _wire_bytes(session)
+            wire_before = wire_bytes(session)
             start = time.perf_counter()
             await session.send_fragment(header, self.data, shuffle_item_size=shuffle, checksums=checksums)
             seconds = time.perf_counter() - start
             rates.append(self.data_gbps(seconds))
             to_raw.append(rates[-1] / ceiling)
-            ratios.append(len(self.data) / max(_wire_bytes(session) - wire_before, 1))
+            ratios.append(len(self.data) / max(wire_bytes(session) - wire_before, 1))
         row = {
             "codec": name,
             "streams": len(session.data),
@@ -291,7 +282,7 @@ async def measure_link(
     data, item = make_data(plan.data, plan.size_bytes)
     session = await connect(host, port, peer_id="bench-probe", role="bench", secret=secret, streams=0)
     try:
-        raw_port = int((await _status(session))["raw_port"])
+        raw_port = int((await server_status(session))["raw_port"])
     finally:
         await session.close("bench probe done")
     rtt_s = measure_rtt(host, raw_port)

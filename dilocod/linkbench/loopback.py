@@ -12,9 +12,7 @@ its own process times, read over the timed interval.
 
 from __future__ import annotations
 
-import json
 import os
-import selectors
 import statistics
 import subprocess
 import sys
@@ -23,15 +21,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from dilocod.linkbench.client import server_status, wire_bytes
 from dilocod.linkbench.raw import RawClient, RawMode
 from dilocod.linkbench.serve import process_status
+from dilocod.ops.processes import read_ready_line
 from dilocod.transport.endpoints import connect
 from dilocod.transport.loop import loop_factory, run
 from dilocod.transport.options import TransportOptions
 from dilocod.transport.session import Session
 from dilocod.wire.codecs import chunk_checksums
 from dilocod.wire.manifest import pack_manifest
-from dilocod.wire.messages import PushHeader, StatusRequest, StatusResponse
+from dilocod.wire.messages import PushHeader
 
 READY_TIMEOUT_S = 60.0
 Progress = Callable[[str], None]
@@ -73,28 +73,12 @@ def start_server(use_uvloop: bool) -> tuple[subprocess.Popen[bytes], dict[str, A
     if not use_uvloop:
         command.append("--no-uvloop")
     child = subprocess.Popen(command, stdout=subprocess.PIPE)
-    assert child.stdout is not None
-    with selectors.DefaultSelector() as selector:
-        selector.register(child.stdout, selectors.EVENT_READ)
-        if not selector.select(READY_TIMEOUT_S):
-            child.kill()
-            raise RuntimeError(f"bench server did not become ready within {READY_TIMEOUT_S} s")
-    line = child.stdout.readline()
-    if not line:
-        raise RuntimeError(f"bench server exited with status {child.wait()} before becoming ready")
-    return child, json.loads(line)
-
-
-async def _status(session: Session) -> dict[str, Any]:
-    await session.send(StatusRequest())
-    while True:
-        item = await session.recv()
-        if isinstance(item, StatusResponse):
-            return item.status
-
-
-def _wire_bytes(session: Session) -> int:
-    return sum(p.conn.bytes_sent for p in [session.control, *session.data])
+    try:
+        return child, read_ready_line(child, "bench server", READY_TIMEOUT_S)
+    except RuntimeError:
+        child.kill()
+        child.wait()
+        raise
 
 
 RAW_MODES: tuple[RawMode, ...] = ("threaded", "shared")
@@ -147,13 +131,13 @@ async def _timed_runs(
     for _ in range(plan.repeats):
         # The event loop is blocked while the raw sockets run: nothing else is in flight then.
         ceiling = raw.measure(data)
-        before, wire_before = await _status(session), _wire_bytes(session)
+        before, wire_before = await server_status(session), wire_bytes(session)
         own_before = process_status()
         start = time.perf_counter()
         await session.send_fragment(header, data, shuffle_item_size=shuffle, checksums=checksums)
         seconds = time.perf_counter() - start
         own_after = process_status()
-        after, wire = await _status(session), _wire_bytes(session) - wire_before
+        after, wire = await server_status(session), wire_bytes(session) - wire_before
         rates.append(header.raw_bytes * 8 / seconds / 1e9)
         for mode in RAW_MODES:
             to_raw[mode].append(rates[-1] / ceiling[mode])

@@ -5,12 +5,14 @@ gets nothing, and without root the command says what it needs and makes nothing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -95,14 +97,22 @@ def test_sigterm_mid_run_removes_everything() -> None:
     assert namespaces_of(process.pid) == []
 
 
+@contextlib.contextmanager
+def bench_server(secret: Path) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """`dilocod bench serve` on loopback with this secret; it must exit 0 on SIGTERM at the end."""
+    serve = dilocod("bench", "serve", "--listen", "127.0.0.1:0", "--secret-file", str(secret), "--ready-json")
+    server = subprocess.Popen(serve, stdout=subprocess.PIPE)
+    try:
+        yield server, int(read_ready_line(server, "bench serve")["port"])
+    finally:
+        assert stop_process(server, timeout_s=10) == 0
+
+
 def test_a_wrong_secret_gets_nothing(tmp_path: Path) -> None:
     good, bad = tmp_path / "good", tmp_path / "bad"
     good.write_text("a" * 64 + "\n")
     bad.write_text("b" * 64 + "\n")
-    serve = dilocod("bench", "serve", "--listen", "127.0.0.1:0", "--secret-file", str(good), "--ready-json")
-    server = subprocess.Popen(serve, stdout=subprocess.PIPE)
-    try:
-        port = read_ready_line(server, "bench serve")["port"]
+    with bench_server(good) as (server, port):
         run = dilocod("bench", "run", "--target", f"127.0.0.1:{port}", "--secret-file", str(bad), *SMALL)
         done = subprocess.run(
             [*run, "--no-save-advice"], capture_output=True, timeout=RUN_TIMEOUT_S, check=False
@@ -111,24 +121,17 @@ def test_a_wrong_secret_gets_nothing(tmp_path: Path) -> None:
         assert "AUTH_FAILED" in done.stderr.decode()
         assert done.stdout == b""
         assert server.poll() is None  # the server goes on
-    finally:
-        assert stop_process(server, timeout_s=10) == 0
 
 
 def test_bench_run_saves_advice_for_the_syncer_named(tmp_path: Path) -> None:
     secret, advice = tmp_path / "secret", tmp_path / "advice.json"
     secret.write_text("c" * 64 + "\n")
-    serve = dilocod("bench", "serve", "--listen", "127.0.0.1:0", "--secret-file", str(secret), "--ready-json")
-    server = subprocess.Popen(serve, stdout=subprocess.PIPE)
-    try:
-        port = read_ready_line(server, "bench serve")["port"]
+    with bench_server(secret) as (_, port):
         run = dilocod("bench", "run", "--target", f"127.0.0.1:{port}", "--secret-file", str(secret), *SMALL)
         run += ["--streams", "1", "--codec", "none,auto", "--advice-for", "10.1.2.3:7070", "--json", "-"]
         env = {**os.environ, "DILOCOD_ADVICE": str(advice)}
         done = subprocess.run(run, capture_output=True, timeout=RUN_TIMEOUT_S, check=False, env=env)
         assert done.returncode == 0, done.stderr.decode()
-    finally:
-        assert stop_process(server, timeout_s=10) == 0
     document = json.loads(done.stdout)
     assert schema_errors(document) == []
     assert document["links"][0]["rate"] == "as found"

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from dilocod.learner.bridge import Adopt, Snapshot, StepReportItem
+from dilocod.learner.bridge import Adopt, Snapshot, StepReportItem, newer_update
 from dilocod.learner.netproc import (
     MAX_DATAGRAM_BYTES,
     Channel,
@@ -186,3 +186,13 @@ def test_a_child_that_is_gone_is_an_error_not_a_hang(pair: tuple[ProcessBridge, 
     child.call(child.bridge.channel.sock.close)
     with pytest.raises(NetworkProcessError, match="network process stopped"):
         _take_until(parent, lambda _: False)
+
+
+def test_which_update_waits_for_the_boundary() -> None:
+    """The one rule both bridges apply to a fragment's update not yet taken."""
+    old, new = Adopt(0, 1, bytearray(1), True, "i"), Adopt(0, 2, bytearray(1), False, "i")
+    assert newer_update(None, new) == new
+    assert newer_update(old, new) == Adopt(0, 2, new.buffer, True, "i")  # still a heal
+    assert newer_update(new, Adopt(0, 1, bytearray(1), False, "i")) is None  # older: dropped
+    heal = Adopt(0, 1, bytearray(1), True, "j")
+    assert newer_update(new, heal) == heal  # a heal replaces whatever its version

@@ -223,22 +223,48 @@ def test_late_push_joins_the_next_round_of_its_fragment() -> None:
     assert r2.version == 1 and r2.learners == ("a", "b")
     fresh = Push("a", r2.round_index, 0, 1, 2, 200)
     assert rounds.admit(fresh, now=7.1) is None
-    (m2,) = of(Merge, rounds.push_complete(fresh, OK, now=7.2))
+    # Quorum by a's own push; b is still expected (its carried push does not answer for it), so
+    # the round waits out its grace for b's own push, then merges a's with b's carried one.
+    assert of(Merge, rounds.push_complete(fresh, OK, now=7.2)) == []
+    (m2,) = of(Merge, rounds.tick(now=30.0))
     assert {p.learner: p for p in m2.pushes} == {"a": fresh, "b": pb}
     assert m2.weights == pytest.approx(merge_weights([200, 300], [2, 3]))
     # Merged once only, even when that merge fails and the fragment's next round is at the same
     # version (so b's late push would not yet be too stale to count again).
-    rounds.merge_failed(m2.round_index, now=7.3)
+    rounds.merge_failed(m2.round_index, now=30.1)
     actions = []
-    for t in (8.0, 9.0):
+    for t in (31.0, 32.0):
         actions += rounds.step("a", 10, 1.0, now=t) + rounds.step("b", 10, 1.0, now=t)
     (r4,) = [r for r in of(Request, actions) if r.fragment == 0]
     assert r4.version == 1
     again = Push("a", r4.round_index, 0, 1, 2, 200)
-    rounds.admit(again, now=9.1)
-    rounds.push_complete(again, OK, now=9.2)
-    (m4,) = of(Merge, rounds.tick(now=20.0))
+    rounds.admit(again, now=32.1)
+    rounds.push_complete(again, OK, now=32.2)
+    (m4,) = of(Merge, rounds.tick(now=60.0))
     assert m4.pushes == (again,)
+
+
+def test_a_carried_push_never_lets_a_round_merge_as_it_opens() -> None:
+    """K = 1: a late push of b carried into the next round of its fragment must not be that
+    round's quorum; the round waits for an own push (a's), then merges it with b's."""
+    config = RoundConfig(fragments=1, sync_every=1, quorum=1)
+    rounds = started(config, ("a", "b"))
+    r0 = first_round(rounds)
+    pa, late = push_for(r0, "a"), push_for(r0, "b")
+    rounds.admit(pa, now=0.1)
+    rounds.admit(late, now=0.1)
+    rounds.push_complete(pa, OK, now=0.2)
+    (m0,) = of(Merge, rounds.tick(now=5.0))
+    rounds.push_complete(late, OK, now=5.1)  # carried
+    rounds.merged(m0.round_index, now=5.2)
+    actions = rounds.step("a", 10, 1.0, now=6.0) + rounds.step("b", 10, 1.0, now=6.0)
+    (r1,) = of(Request, actions)
+    assert of(Merge, actions) == []  # opened, not merged on b's carried push alone
+    own = Push("a", r1.round_index, 0, 1, 1, 100)
+    rounds.admit(own, now=6.1)
+    assert of(Merge, rounds.push_complete(own, OK, now=6.2)) == []  # b may still answer
+    (m1,) = of(Merge, rounds.tick(now=60.0))
+    assert {p.learner for p in m1.pushes} == {"a", "b"}
 
 
 def test_a_carried_push_too_stale_is_released() -> None:

@@ -27,7 +27,6 @@ import json
 import statistics
 import sys
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -61,9 +60,6 @@ def main(argv: list[str] | None = None) -> int:
 
     def say(text: str) -> None:
         print(text, flush=True)
-
-    # torch says this at import when numpy is missing; charlm's evaluation never needs numpy.
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
     runs: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:

@@ -174,7 +174,7 @@ def outer_gradient(args: argparse.Namespace) -> tuple[torch.Tensor, TrainingFact
 
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:
-    """A copy of a contiguous CPU tensor's memory (this environment has no numpy)."""
+    """A copy of a contiguous CPU tensor's memory (torch offers no buffer protocol)."""
     tensor = tensor.contiguous()
     return bytes((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr()))
 

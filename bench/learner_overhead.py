@@ -249,9 +249,7 @@ def children_on(cpus: set[int] | None) -> Iterator[None]:
 
 def child_env(entry_dir: Path) -> dict[str, str]:
     paths = [str(entry_dir), str(ROOT), os.environ.get("PYTHONPATH", "")]
-    # torch warns at import when numpy is missing (it is not needed here).
-    quiet = "ignore:Failed to initialize NumPy:UserWarning"
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p), "PYTHONWARNINGS": quiet}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
 
 
 def write_config(entry_dir: Path, config: dict[str, Any]) -> None:

@@ -9,7 +9,6 @@ import json
 import os
 import sys
 import traceback
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -137,8 +136,6 @@ def main() -> None:
     A CPU-only syncer holds the global model in fragments; learners train without blocking on the
     network and exchange one fragment at a time over a chunked, compressed, striped TCP protocol.
     """
-    # torch warns at import when numpy is missing; dilocod never hands tensors to numpy.
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
 
 @main.group()

@@ -730,7 +730,4 @@ def child(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    import warnings
-
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     sys.exit(child())

@@ -39,7 +39,7 @@ from dilocod.wire.messages import PushHeader, StatusRequest, StatusResponse, Upd
 
 FIXED_CODECS = ("none", "lz4", "zstd")
 #: Transfers per combination are fitted into --duration, within these bounds.
-MIN_REPEATS, MAX_REPEATS = 1, 5
+MIN_REPEATS, MAX_REPEATS = 1, 9
 RTT_SAMPLES = 9
 GLOO_REPEATS = 3
 GLOO_TIMEOUT_S = 120.0
@@ -143,6 +143,7 @@ class _Link:
     figures: list[tuning.CodecFigure]
     repeats: int = 1
     auto: tuning.CodecChoice | None = None
+    checksums: list[int] | None = None
 
     async def combinations(self, streams: int, secret: bytes | None) -> tuple[list[dict[str, Any]], float]:
         """Every codec at this stream count; returns the rows and the median raw ceiling."""
@@ -160,53 +161,68 @@ class _Link:
             await session.send_fragment(
                 _header(self.data, self.item, "none", self.plan.chunk_bytes), self.data
             )
-            for name in self.plan.codecs:
-                rows.append(await self._timed(session, raw, ceilings, name))
+            # Round robin: each repeat times every codec once, so a slow spell of a shared host (or
+            # of the link) falls on all of them alike instead of on whichever ran through it; the
+            # order rotates from one repeat to the next, so no codec always follows the costliest.
+            codecs = list(self.plan.codecs)
+            samples: dict[str, list[tuple[float, float, float]]] = {name: [] for name in codecs}
+            for repeat in range(self.repeats):
+                turn = repeat % len(codecs)
+                for name in codecs[turn:] + codecs[:turn]:
+                    samples[name].append(await self._timed(session, raw, ceilings, name))
+            rows = [self._row(name, len(session.data), samples[name]) for name in codecs]
         finally:
             raw.close()
             await session.close("bench done")
         return rows, statistics.median(ceilings)
 
+    def _codec(self, name: str, ceilings: list[float]) -> str:
+        """The codec a row named `name` sends with; auto is chosen once per link."""
+        if name != "auto":
+            return name
+        if self.auto is None:
+            # The first ceiling of this link is the rate the model plans for.
+            self.auto = tuning.choose_codec(
+                self.figures, statistics.median(ceilings), self.plan.codec_threads
+            )
+            self.progress.note(f"auto codec: {self.auto.codec} ({self.auto.reason})")
+        return self.auto.codec
+
     async def _timed(
         self, session: Session, raw: RawClient, ceilings: list[float], name: str
-    ) -> dict[str, Any]:
+    ) -> tuple[float, float, float]:
+        """One raw transfer, then one push with the row's codec: (Gbit/s, x raw, compression)."""
         view = memoryview(self.data)
-        codec = name
-        if name == "auto":
-            if self.auto is None:
-                # The first ceiling of this link is the rate the model plans for.
-                self.auto = tuning.choose_codec(
-                    self.figures, statistics.median(ceilings), self.plan.codec_threads
-                )
-                self.progress.note(f"auto codec: {self.auto.codec} ({self.auto.reason})")
-            codec = self.auto.codec
+        codec = self._codec(name, ceilings)
         header = _header(self.data, self.item, codec, self.plan.chunk_bytes)
         shuffle = self.item if codec != "none" else 0
-        # A learner prepares the checksums of an uncompressed push while it makes the gradient.
-        checksums = chunk_checksums(self.data, self.plan.chunk_bytes) if codec == "none" else None
-        rates, to_raw, ratios = [], [], []
-        for _ in range(self.repeats):
-            ceiling = self.data_gbps(raw.send(view))
-            ceilings.append(ceiling)
-            wire_before = wire_bytes(session)
-            start = time.perf_counter()
-            await session.send_fragment(header, self.data, shuffle_item_size=shuffle, checksums=checksums)
-            seconds = time.perf_counter() - start
-            rates.append(self.data_gbps(seconds))
-            to_raw.append(rates[-1] / ceiling)
-            ratios.append(len(self.data) / max(wire_bytes(session) - wire_before, 1))
+        checksums = None
+        if codec == "none":
+            # A learner prepares the checksums of an uncompressed push while it makes the gradient.
+            if self.checksums is None:
+                self.checksums = chunk_checksums(self.data, self.plan.chunk_bytes)
+            checksums = self.checksums
+        ceiling = self.data_gbps(raw.send(view))
+        ceilings.append(ceiling)
+        wire_before = wire_bytes(session)
+        start = time.perf_counter()
+        await session.send_fragment(header, self.data, shuffle_item_size=shuffle, checksums=checksums)
+        gbps = self.data_gbps(time.perf_counter() - start)
+        return gbps, gbps / ceiling, len(self.data) / max(wire_bytes(session) - wire_before, 1)
+
+    def _row(self, name: str, streams: int, samples: list[tuple[float, float, float]]) -> dict[str, Any]:
+        """The medians of one codec's repeats at one stream count, as a JSON row."""
+        rates, to_raw, ratios = zip(*samples, strict=True)
         row = {
             "codec": name,
-            "streams": len(session.data),
+            "streams": streams,
             "gbps": round(statistics.median(rates), 3),
             "ratio_to_raw": round(statistics.median(to_raw), 3),
             "compression_ratio": round(statistics.median(ratios), 4),
         }
-        if name == "auto":
-            row["chosen"] = codec
-        self.progress.advance(
-            f"{name} x{row['streams']}: {row['gbps']:.2f} Gbps, {row['ratio_to_raw']:.2f}x raw"
-        )
+        if name == "auto" and self.auto is not None:
+            row["chosen"] = self.auto.codec
+        self.progress.advance(f"{name} x{streams}: {row['gbps']:.2f} Gbps, {row['ratio_to_raw']:.2f}x raw")
         return row
 
     def data_gbps(self, seconds: float) -> float:

@@ -98,8 +98,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    import warnings
-
-    # torch warns at import when numpy is missing; nothing here hands tensors to numpy.
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     sys.exit(main())

@@ -15,10 +15,9 @@ renamed to its final name and the parent fsync'd, so a directory with a final na
 unless something outside dilocod damaged it; loading checks every recorded size and digest anyway
 and falls back to the previous checkpoint. The files need no dilocod to read: safetensors plus JSON.
 
-safetensors.torch's writer needs numpy, which dilocod does without, so tensor files are written
-here in the documented safetensors format (8-byte little-endian header length, JSON header padded
-to 8 bytes, tensors packed back to back), straight from each tensor's memory. They are read only
-through safetensors, never through pickle.
+Tensor files are written here in the documented safetensors format (8-byte little-endian header
+length, JSON header padded to 8 bytes, tensors packed back to back), straight from each tensor's
+memory, hashed on the way. They are read only through safetensors, never through pickle.
 
 Plain blocking file I/O; the daemon runs it in a worker thread. Must not import networking or
 logging: skipped checkpoints are returned to the caller, who logs them.
@@ -314,8 +313,8 @@ def _write_tensor_file(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor without a copy (torch offers no buffer protocol and
-    numpy is not a dependency). The caller keeps tensor alive while the view is in use."""
+    """The bytes of a contiguous CPU tensor without a copy (torch offers no buffer protocol).
+    The caller keeps tensor alive while the view is in use."""
     nbytes = tensor.numel() * tensor.element_size()
     return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
 

@@ -50,7 +50,6 @@ MiB = 2**20
 
 pytestmark = [
     pytest.mark.timeout(TIMEOUT_S),
-    pytest.mark.filterwarnings("ignore:Failed to initialize NumPy:UserWarning"),
 ]
 
 

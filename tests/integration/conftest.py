@@ -28,11 +28,6 @@ TEST_DEADLINE_S = 240.0
 LOOP_KINDS = ("uvloop", "asyncio")
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    # torch without numpy warns on import; the fragments never need numpy.
-    config.addinivalue_line("filterwarnings", "ignore:Failed to initialize NumPy:UserWarning")
-
-
 @pytest.fixture(params=LOOP_KINDS)
 def loop_kind(request: pytest.FixtureRequest) -> str:
     if request.param == "uvloop":

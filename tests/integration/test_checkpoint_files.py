@@ -89,7 +89,6 @@ def described(tensors: dict[str, torch.Tensor]) -> dict[str, list]:
     }
 
 
-@pytest.mark.filterwarnings("ignore:Failed to initialize NumPy:UserWarning")
 @pytest.mark.parametrize("crash_at", [1, 2, 3, 4, 5])
 def test_a_crash_at_any_fsync_never_leaves_a_checkpoint_that_looks_complete(
     tmp_path: Path, crash_at: int
@@ -117,7 +116,6 @@ def test_a_crash_at_any_fsync_never_leaves_a_checkpoint_that_looks_complete(
     assert not [p for p in root.iterdir() if p.name.startswith(".")]
 
 
-@pytest.mark.filterwarnings("ignore:Failed to initialize NumPy:UserWarning")
 def test_the_newest_checkpoint_loads_without_dilocod(tmp_path: Path) -> None:
     save_checkpoint(tmp_path, make_state(1.0, [1, 0]))
     newest = make_state(-2.5, [4, 3])

@@ -16,8 +16,6 @@ from dilocod.examples import charlm
 from dilocod.examples.charlm import data
 from dilocod.learner.entry import load_trainer
 
-pytestmark = pytest.mark.filterwarnings("ignore:Failed to initialize NumPy:UserWarning")
-
 ENTRY = "dilocod.examples.charlm:make_trainer"
 
 

@@ -33,8 +33,6 @@ from dilocod.syncer.checkpoint import (
     save_checkpoint,
 )
 
-pytestmark = pytest.mark.filterwarnings("ignore:Failed to initialize NumPy:UserWarning")
-
 
 def make_state(seed: int = 0, versions: list[int] | None = None) -> SyncerState:
     """A small model with every awkward case: bf16 and f16 params, special float values, a

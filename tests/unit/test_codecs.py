@@ -30,8 +30,6 @@ if TYPE_CHECKING:
     import torch
 
 COMPRESSING = [Codec.LZ4, Codec.ZSTD]
-#: torch warns once when it finds no numpy; this suite needs none.
-pytestmark = pytest.mark.filterwarnings("ignore:Failed to initialize NumPy:UserWarning")
 
 
 def chunk_for(raw: bytes | bytearray | memoryview, codec: Codec, shuffle: int, seq: int = 0) -> ChunkHeader:

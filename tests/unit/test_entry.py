@@ -21,8 +21,6 @@ from dilocod.learner.entry import (
     resolve_factory,
 )
 
-pytestmark = pytest.mark.filterwarnings("ignore:Failed to initialize NumPy:UserWarning")
-
 LEARNER = LearnerContext("m0", "learner", "cpu", 0, 1, None, 7)
 SYNCER = LearnerContext("syncer", "syncer", "cpu", 0, 1, None, 0)
 

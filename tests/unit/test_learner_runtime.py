@@ -31,8 +31,6 @@ from dilocod.wire.codecs import checksum
 from dilocod.wire.manifest import ModelEntry, TensorEntry, pack_manifest
 from dilocod.wire.messages import FragmentRequest, Plan
 
-pytestmark = pytest.mark.filterwarnings("ignore:Failed to initialize NumPy:UserWarning")
-
 ENTRY = "tests_rig:make_trainer"
 INCARNATION = "inc-1"
 DEADLINE_S = 10.0

@@ -125,9 +125,7 @@ def test_a_gloo_request_is_checked_before_anything_starts() -> None:
             parse_gloo_request(body)
 
 
-def test_replotting_checks_the_document(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_replotting_checks_the_document(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"links": [{"rate": "2gbit"}]}))
     assert report_main([str(bad), str(tmp_path / "out.png")]) == 1

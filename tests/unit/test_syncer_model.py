@@ -12,8 +12,6 @@ from dilocod.syncer.model import GlobalModel, ModelMismatch, Snapshot, first_mis
 from dilocod.wire.codecs import chunk_checksums
 from dilocod.wire.manifest import ModelEntry
 
-pytestmark = pytest.mark.filterwarnings("ignore:Failed to initialize NumPy:UserWarning")
-
 CHUNK = 4096
 
 

@@ -22,8 +22,6 @@ from dilocod.outer import (
     rda_merge,
 )
 
-pytestmark = pytest.mark.filterwarnings("ignore:Failed to initialize NumPy:UserWarning")
-
 H = 4  # steps between two syncs of one fragment
 P = 2  # fragments: a round every H / P = 2 steps
 ROUNDS = 6

@@ -12,8 +12,6 @@ from hypothesis import strategies as st
 from dilocod.outer import embedding_mask, mean_merge, merge_weights, rda_merge
 from dilocod.outer.merge import U_NORM_EPS
 
-pytestmark = pytest.mark.filterwarnings("ignore:Failed to initialize NumPy:UserWarning")
-
 SHAPES = [(37, 5), (1000,), (3,), (2, 2, 2)]
 
 

@@ -9,8 +9,6 @@ import torch
 
 from dilocod.outer import mean_merge, nesterov_step_, outer_step_, rda_merge
 
-pytestmark = pytest.mark.filterwarnings("ignore:Failed to initialize NumPy:UserWarning")
-
 SHAPES = [(300, 7), (1000,), (5,), (4, 4, 4)]
 
 

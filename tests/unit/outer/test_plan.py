@@ -16,8 +16,6 @@ from torch import nn
 
 from dilocod.outer import FragmentPlan, module_sizes, plan_fragments, plan_module
 
-pytestmark = pytest.mark.filterwarnings("ignore:Failed to initialize NumPy:UserWarning")
-
 REPO = Path(__file__).resolve().parents[3]
 
 named_sizes = st.dictionaries(

@@ -15,8 +15,6 @@ from dilocod.outer import (
     quantize_with_feedback_,
 )
 
-pytestmark = pytest.mark.filterwarnings("ignore:Failed to initialize NumPy:UserWarning")
-
 
 def per_value_bound(q: QuantizedTensor) -> torch.Tensor:
     return q.error_bounds().repeat_interleave(q.block_size)[: q.numel].view(q.shape)

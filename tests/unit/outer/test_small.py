@@ -12,9 +12,6 @@ from hypothesis import strategies as st
 from dilocod.outer import APPLY_MODES, apply_update_, check_outer_gradient, merge_weights, pseudo_gradient
 from dilocod.outer.guard import ACCEPTED, NON_FINITE, NORM_TOO_LARGE
 
-pytestmark = pytest.mark.filterwarnings("ignore:Failed to initialize NumPy:UserWarning")
-
-
 # --- merge_weights ------------------------------------------------------------------------------
 
 

@@ -28,6 +28,20 @@ Buffer = bytearray | memoryview
 MAX_PENDING_STEPS = 10_000
 
 
+class CopyInFlight(Protocol):
+    """A device-to-host copy of a snapshot still running (CUDA): its buffer holds the fragment
+    once done. The GPU runs behind the host, so the copy may finish only after the GPU has drained
+    the step the host has already queued; waiting for it on the training thread stalls training."""
+
+    def done(self) -> bool:
+        """Whether the copy has finished; never blocks."""
+        ...
+
+    def wait(self) -> None:
+        """Block until the copy has finished."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class Adopt:
     """A merged fragment (wire layout, float32) to apply at the next step boundary."""
@@ -52,8 +66,8 @@ class Snapshot:
     #: θ_p in wire layout (float32); the anchor is the buffer of the update last applied.
     theta: Buffer
     anchor: Buffer
-    #: Waits until theta holds its bytes (a device copy in flight); None when already complete.
-    ready: Callable[[], None] | None = None
+    #: The device copy that fills theta, while it runs; None when theta is already complete.
+    ready: CopyInFlight | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -141,7 +141,7 @@ def compute_push(
     """δ = anchor - θ (float32), laid out at the wire precision (lossy ones with error feedback
     through residual), and its chunk checksums. Runs in the push worker thread."""
     if snapshot.ready is not None:
-        snapshot.ready()
+        snapshot.ready.wait()  # the push worker's thread: waiting here costs training nothing
     out = bytearray(len(snapshot.theta))
     if out:
         delta = torch.frombuffer(out, dtype=torch.float32)

@@ -276,12 +276,18 @@ class ProcessBridge:
         if wake:
             self.flush()
 
-    def flush(self) -> None:
+    def flush(self, *, wait: bool = False) -> None:
+        """Hand the child what the boundary queued. A snapshot whose device copy is still running
+        stays for the next boundary (a step later, within tau) unless `wait`: the training thread
+        must not wait for the GPU to drain the step it has just queued."""
         snapshots, self._snapshots = self._snapshots, []
         notes = []
         for snapshot in snapshots:
-            if snapshot.ready is not None:
-                snapshot.ready()  # a device copy in flight (CUDA): the child reads these bytes next
+            if snapshot.ready is not None and not snapshot.ready.done():
+                if not wait:
+                    self._snapshots.append(snapshot)
+                    continue
+                snapshot.ready.wait()
             lent = self._lent_views.pop(id(snapshot.theta), None)
             if lent is None:  # not copied into a lent buffer: copy it into one now
                 view = self.snapshot_buffer(len(snapshot.theta))
@@ -389,6 +395,8 @@ class ProcessBridge:
             return None if self.process is None else self.process.returncode
         self.closed = True
         with contextlib.suppress(OSError):
+            if self._snapshots:
+                self.flush(wait=True)  # the last boundary's deferred pushes still go
             self.channel.send()
         with contextlib.suppress(OSError):
             self.channel.sock.shutdown(socket.SHUT_RDWR)

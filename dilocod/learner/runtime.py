@@ -24,7 +24,7 @@ import structlog
 import torch
 
 from dilocod.contract import Trainer
-from dilocod.learner.bridge import Adopt, Buffer, Inbox, Snapshot, StepReportItem, TrainingSide
+from dilocod.learner.bridge import Adopt, Buffer, CopyInFlight, Inbox, Snapshot, StepReportItem, TrainingSide
 from dilocod.learner.entry import check_step_result
 from dilocod.learner.island import Island
 from dilocod.learner.layout import FragmentLayout, layouts_for
@@ -76,7 +76,7 @@ class HostCopier:
 
     def copy_out(
         self, layout: FragmentLayout, allocate: Callable[[int], Buffer] = bytearray
-    ) -> tuple[Buffer, Callable[[], None] | None]:
+    ) -> tuple[Buffer, CopyInFlight | None]:
         """The fragment's parameters in wire layout, in a buffer from allocate(size)."""
         buffer = allocate(layout.raw_bytes)
         if not layout.raw_bytes:
@@ -98,15 +98,37 @@ class HostCopier:
             done = torch.cuda.Event()
             done.record(self._stream)
         main.wait_event(done)
-
-        def ready() -> None:
-            done.synchronize()
-            cudart.cudaHostUnregister(host.data_ptr())
-
-        return buffer, ready
+        return buffer, _DeviceCopy(done, host.data_ptr())
 
     def to_device(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         return tensors if self.device.type == "cpu" else [t.to(self.device) for t in tensors]
+
+
+class _DeviceCopy:
+    """A copy on the side stream (HostCopier.copy_out), with its host memory registered as
+    page-locked until the copy has finished."""
+
+    def __init__(self, event: torch.cuda.Event, host_ptr: int) -> None:
+        self._event = event
+        self._host_ptr = host_ptr
+        self._lock = threading.Lock()  # done() and wait() may race from two threads
+        self._finished = False
+
+    def done(self) -> bool:
+        if not self._finished and self._event.query():
+            self._finish()
+        return self._finished
+
+    def wait(self) -> None:
+        if not self._finished:
+            self._event.synchronize()
+            self._finish()
+
+    def _finish(self) -> None:
+        with self._lock:
+            if not self._finished:
+                torch.cuda.cudart().cudaHostUnregister(self._host_ptr)
+                self._finished = True
 
 
 class TrainingLoop:
@@ -135,7 +157,9 @@ class TrainingLoop:
         self.versions: dict[int, int] = {}
         self.c_steps: dict[int, int] = {}
         self.c_tokens: dict[int, int] = {}
-        self.sent: dict[int, bytearray] = {}  # θ_p at its last push, for keep-local
+        #: θ_p at its last push, for keep-local: a copy where the parameters live (no host copy to
+        #: wait for), in their own dtype.
+        self.sent: dict[int, list[torch.Tensor]] = {}
         self.awaiting: set[int] = set()  # pushed fragments whose merge has not come back (tau = 0)
         self.step_index = 0
         self.progress = Progress()
@@ -264,11 +288,9 @@ class TrainingLoop:
         mode = "overwrite" if adopt.heal else self.config.apply
         sent = None
         if mode == "keep-local":
-            theta_sent = self.sent.get(adopt.fragment)
-            if theta_sent is None:
+            sent = self.sent.get(adopt.fragment)
+            if sent is None:
                 mode = "overwrite"  # nothing was pushed since the last adoption: no steps to keep
-            else:
-                sent = self.copier.to_device(layout.views(theta_sent))
         apply_update_(list(layout.params), new, mode, alpha=self.config.mix_alpha, sent=sent)
         self.anchors[adopt.fragment] = adopt.buffer
         self.versions[adopt.fragment] = adopt.version
@@ -284,13 +306,6 @@ class TrainingLoop:
         if self.leader:
             # Every rank of an island holds the same parameters: rank 0 speaks for all of them.
             theta, ready = self.copier.copy_out(self.layouts[fragment], self.bridge.snapshot_buffer)
-            if self.config.apply == "keep-local":
-                # A copy of our own: the snapshot's buffer may be lent to the network process and
-                # reused once it has made the push.
-                if ready is not None:
-                    ready()
-                    ready = None
-                self.sent[fragment] = bytearray(theta)
             snapshot = Snapshot(
                 fragment,
                 round_index,
@@ -302,8 +317,11 @@ class TrainingLoop:
                 ready,
             )
             self.bridge.send_snapshot(snapshot, wake=False)
-        elif self.config.apply == "keep-local":
-            self.sent[fragment] = self.copier.copy_out(self.layouts[fragment])[0]
+        if self.config.apply == "keep-local":
+            # Every rank keeps its own: the snapshot's buffer belongs to the network (and may be
+            # lent to its process and reused once the push is made).
+            with torch.no_grad():
+                self.sent[fragment] = [param.detach().clone() for param in self.layouts[fragment].params]
         self.awaiting.add(fragment)
         self.progress.snapshots += 1
 

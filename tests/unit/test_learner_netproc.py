@@ -196,3 +196,74 @@ def test_which_update_waits_for_the_boundary() -> None:
     assert newer_update(new, Adopt(0, 1, bytearray(1), False, "i")) is None  # older: dropped
     heal = Adopt(0, 1, bytearray(1), True, "j")
     assert newer_update(new, heal) == heal  # a heal replaces whatever its version
+
+
+class _CopyInFlight:
+    """A device copy that finishes when the test says so (the CUDA side stream's event)."""
+
+    def __init__(self) -> None:
+        self.finished = False
+        self.waited = 0
+
+    def done(self) -> bool:
+        return self.finished
+
+    def wait(self) -> None:
+        self.waited += 1
+        self.finished = True
+
+
+def _drain_snapshots(child: _Child, count: int) -> list[Snapshot]:
+    got: list[Snapshot] = []
+    for _ in range(100):
+        snapshots, _steps = child.call(child.bridge.drain)
+        got += snapshots
+        if len(got) >= count:
+            return got
+        threading.Event().wait(DEADLINE_S / 100)
+    raise AssertionError(f"{count} snapshots did not reach the child in time (got {len(got)})")
+
+
+def test_a_snapshot_whose_device_copy_runs_waits_for_a_later_boundary(
+    pair: tuple[ProcessBridge, _Child],
+) -> None:
+    """flush() never waits for the GPU: a snapshot whose copy is still running goes at a later
+    boundary, once done, and the steps reported meanwhile are not held back with it."""
+    parent, child = pair
+    anchor = bytearray(64)
+    child.call(child.bridge.post_update, Adopt(2, 1, anchor, True, "inc"))
+    (update,) = _take_until(parent, lambda i: i.updates).updates  # type: ignore[attr-defined]
+    copy = _CopyInFlight()
+    theta = parent.snapshot_buffer(64)
+    theta[:] = bytes(range(64))
+    parent.send_snapshot(Snapshot(2, 5, 1, 3, 300, theta, update.buffer, copy), wake=False)
+    parent.report_step(StepReportItem(3, 100, 0.01), wake=False)
+    parent.flush()
+    for _ in range(20):  # the step report arrives; the snapshot must not
+        snapshots, steps = child.call(child.bridge.drain)
+        assert snapshots == []
+        if steps:
+            break
+        threading.Event().wait(DEADLINE_S / 100)
+    assert steps == [StepReportItem(3, 100, 0.01)]
+    assert copy.waited == 0
+    copy.finished = True  # the GPU got there; the next boundary sends it
+    parent.flush()
+    (snapshot,) = _drain_snapshots(child, 1)
+    assert (snapshot.fragment, snapshot.round) == (2, 5) and bytes(snapshot.theta) == bytes(range(64))
+    assert copy.waited == 0  # never waited on the training thread
+
+
+def test_closing_waits_out_a_deferred_device_copy(pair: tuple[ProcessBridge, _Child]) -> None:
+    """The last boundary's push is not lost when the copy is still running at shutdown."""
+    parent, child = pair
+    anchor = bytearray(32)
+    child.call(child.bridge.post_update, Adopt(0, 1, anchor, True, "inc"))
+    (update,) = _take_until(parent, lambda i: i.updates).updates  # type: ignore[attr-defined]
+    copy = _CopyInFlight()
+    theta = parent.snapshot_buffer(32)
+    parent.send_snapshot(Snapshot(0, 9, 1, 1, 10, theta, update.buffer, copy))  # deferred
+    parent.close()
+    assert copy.waited == 1
+    (snapshot,) = _drain_snapshots(child, 1)
+    assert snapshot.round == 9

@@ -178,7 +178,8 @@ class _Round:
     pushes: dict[str, Push] = field(default_factory=dict)
     #: Learners whose push header was admitted and has not failed: one push per learner a round.
     admitted: set[str] = field(default_factory=set)
-    #: Learners whose push was screened out: nothing more is expected of them this round.
+    #: Learners whose push was screened out or refused as stale: nothing more is expected of
+    #: them this round.
     refused: set[str] = field(default_factory=set)
     quorum_at: float | None = None
     deadline: float | None = None
@@ -286,6 +287,9 @@ class Rounds:
             return self._refuse(Refusal.NOT_REQUESTED)
         current = self.versions[push.fragment]
         if push.base_version > current or push.base_version + self.config.staleness < current:
+            # Nothing more will come from this learner for this round: its grace window no
+            # longer waits for it (and a carried push of its own, if any, answers for it).
+            rnd.refused.add(push.learner)
             return self._refuse(Refusal.STALE_VERSION)
         rnd.admitted.add(push.learner)
         return None
@@ -422,7 +426,7 @@ class Rounds:
     def _maybe_merge(self, rnd: _Round, now: float) -> list[Action]:
         joining, actions = self._take_carried(rnd)
         pushes = {**joining, **rnd.pushes}
-        # Still expected: asked, live (leave() forgets the others) and not screened out. Every
+        # Still expected: asked, live (leave() forgets the others) and not refused. Every
         # admitted push in flight is from an asked learner. A late push carried in from an earlier
         # round does not answer for its learner: counted, it let a round reach quorum the moment it
         # opened and merge before that learner's own push, which then came with no steps to merge

@@ -22,6 +22,7 @@ import itertools
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -73,6 +74,8 @@ IMPAIRED_TAIL_S = 2.0
 PROGRESS_GAP_S = 6.0
 #: A single fragment whose version stands still this long while learners are live is reported.
 FRAGMENT_STALL_S = 20.0
+#: Where a run keeps a copy of every checkpoint its syncer writes (the syncer keeps the newest 3).
+CURVE_DIR = "curve"
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,9 @@ class ChaosPlan:
     long_stop_s: float = IDLE_TIMEOUT_S + 10.0
     seed: int = 0
     learners: tuple[str, ...] = LEARNERS
+    #: Keep every checkpoint with the steps trained by then: the loss-versus-steps curve another
+    #: run is compared with at equal steps (ChaosReport.loss_at_steps).
+    keep_curve: bool = False
 
 
 # ------------------------------------------------------------------------------------- processes
@@ -413,7 +419,27 @@ class ChaosRun:
             )
             with self._lock:
                 self.samples.append(sample)
+            if self.plan.keep_curve:
+                self._keep_checkpoints()
             self._stop_sampling.wait(SAMPLE_EVERY_S)  # the sampling period
+
+    def _keep_checkpoints(self) -> None:
+        """Copy each checkpoint the syncer has written since the last call (one every 5 s; the
+        sampler calls this every second, the syncer deletes a checkpoint three later)."""
+        from dilocod.syncer.checkpoint import CHECKPOINTS_DIR  # torch, so only when needed
+
+        source = self.work / "syncer" / CHECKPOINTS_DIR
+        for entry in sorted(source.iterdir()) if source.is_dir() else []:
+            target = self.work / CURVE_DIR / entry.name
+            if not entry.name.startswith("ckpt-") or target.exists():
+                continue
+            staging = self.work / CURVE_DIR / f".{entry.name}"
+            try:
+                shutil.copytree(entry, staging / CHECKPOINTS_DIR / entry.name)
+            except (FileNotFoundError, shutil.Error):  # pruned while being copied: load would refuse it
+                shutil.rmtree(staging, ignore_errors=True)
+                continue
+            staging.rename(target)
 
     # -------------------------------------------------------------- the schedule
 
@@ -641,7 +667,23 @@ class ChaosRun:
             r["code"] for s in self.syncers for r in s.events("bad input from learner")
         )
         report.eval_loss = _eval_loss(self.work / "syncer")
+        report.steps = self._steps_trained()
+        if self.plan.keep_curve:
+            self._keep_checkpoints()  # the one written at shutdown
+            report.curve = _curve(self.work / CURVE_DIR)
         return report
+
+    def _steps_trained(self) -> int:
+        """Steps the learners kept, summed: each one's step counter when it stopped last. Steps a
+        learner trained and lost (between its last state save and a kill) are not counted, just
+        as bench/convergence.py counts tokens."""
+        total = 0
+        for name in self.plan.learners:
+            stopped = self.learner(name).events("learner stopped")
+            if not stopped:
+                raise RuntimeError(f"learner {name} never said it stopped ({self.learner(name).log_path})")
+            total += int(stopped[-1]["step"])
+        return total
 
     def _check_processes(self, report: ChaosReport) -> None:
         for daemon in [*self.syncers, *(d for ds in self.learners.values() for d in ds)]:
@@ -890,6 +932,23 @@ def _final_fragments(syncer_state: Path) -> list[tuple[int, str]]:
     return [(store.version, f"{checksum(store.master):016x}") for store in model.fragments]
 
 
+def _curve(root: Path) -> list[tuple[int, Path]]:
+    """(steps trained by the learners, state dir) of every checkpoint kept under root, by steps:
+    the steps are those the syncer had been told of when it saved (its roster)."""
+    from dilocod.syncer.checkpoint import CheckpointError, load_latest_checkpoint
+
+    points = []
+    for state_dir in sorted(root.glob("ckpt-*")):
+        try:
+            loaded = load_latest_checkpoint(state_dir)
+        except CheckpointError:
+            continue  # damaged by a copy that raced the syncer's pruning
+        if loaded is not None:
+            roster = loaded.state.meta.get("roster", {})
+            points.append((sum(int(r["steps"]) for r in roster.values()), state_dir))
+    return sorted(points)
+
+
 def _eval_loss(syncer_state: Path) -> float:
     """charlm's eval loss (nats per byte, fixed held-out windows) of the syncer's last checkpoint."""
     from dilocod.examples.charlm import CharLM, CharLMConfig, evaluate  # torch, so only when needed
@@ -932,6 +991,10 @@ class ChaosReport:
     rounds_merged: int = 0
     bad_input_logged: Counter[str] = field(default_factory=Counter)
     eval_loss: float = float("nan")
+    #: Steps the learners kept (ChaosRun._steps_trained).
+    steps: int = 0
+    #: With plan.keep_curve: (steps, state dir) of every checkpoint the syncer wrote.
+    curve: list[tuple[int, Path]] = field(default_factory=list)
     status: dict[str, Any] = field(default_factory=dict)
     status_table: str = ""
     #: Every status sample: seconds since the schedule started, syncer, versions, live learners.
@@ -941,6 +1004,24 @@ class ChaosReport:
     @property
     def injected(self) -> int:
         return sum(self.faults.values())
+
+    def loss_at_steps(self, steps: int) -> tuple[float, str]:
+        """This run's eval loss when its learners had trained `steps` steps in all, interpolated
+        linearly between the two checkpoints around it, and how it was found. Past the last
+        checkpoint, the final loss (a run that trained fewer steps than asked for)."""
+        if not self.curve:
+            raise ValueError("no curve: run with keep_curve=True")
+        below = [(s, d) for s, d in self.curve if s <= steps]
+        above = [(s, d) for s, d in self.curve if s > steps]
+        if not above:
+            return self.eval_loss, f"final ({self.steps} steps; {steps} asked)"
+        high_steps, high_dir = above[0]
+        if not below:
+            return _eval_loss(high_dir), f"first checkpoint ({high_steps} steps; {steps} asked)"
+        low_steps, low_dir = below[-1]
+        low, high = _eval_loss(low_dir), _eval_loss(high_dir)
+        share = (steps - low_steps) / (high_steps - low_steps)
+        return low + share * (high - low), f"between checkpoints at {low_steps} and {high_steps} steps"
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -964,6 +1045,7 @@ class ChaosReport:
             "rounds_merged": self.rounds_merged,
             "bad_input_logged": dict(self.bad_input_logged),
             "eval_loss": round(self.eval_loss, 4),
+            "steps": self.steps,
             "notes": self.notes,
             "wall_s": round(self.wall_s, 1),
         }

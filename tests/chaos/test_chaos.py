@@ -17,19 +17,23 @@ checkpoint across the syncer's kill; while one learner (K = 1) is live and unimp
 rise within every 6 s; learners never stop stepping unless stopped; after the faults every learner
 holds the syncer's fragments byte for byte; resident memory does not grow; goodput is reported.
 
-Three things are held here to looser bounds than their targets (bench/chaos.py measures them
+Two things are held here to looser bounds than their targets (bench/chaos.py measures them
 over repeated pairs of runs and bench/RESULTS.md §8 records them):
-- eval loss: within 15 % of the fault-free run here, against a target of 3 %: runs of equal wall
-  time on two shared cores do unequal work when something else runs (the benchmark's third pair
-  differed by 10.6 %, its chaos run stepping 30 % less), while a broken merge or an accepted
-  corrupt fragment costs far more than that;
+- eval loss: compared at equal steps (the fault-free run keeps every checkpoint with the steps
+  trained by then; its loss at the steps the chaos run's learners kept is interpolated), since runs
+  of equal wall time on two shared cores do unequal work when something else runs (a pair of the
+  benchmark differed by 10.6 % at equal wall time, its chaos run stepping 30 % less); within 8 %
+  (EQUAL_STEPS_BOUND) here against a target of 3 %: two pairs of the benchmark at equal steps gave
+  -1.7 % and +4.0 %, so one pair cannot tell 3 % from its own spread, while a broken merge or an
+  accepted corrupt fragment costs far more than that;
 - goodput of the survivor (learner c: network faults and the syncer's restart, never killed or
   stopped): at least 75 % here, against a target of 85 %; without faults at least 90 %, and the
-  learners the schedule kills and stops must show the time they lost;
-- one fragment's version standing still for a long time while the others move: reported in the
-  summary, not asserted. The syncer's norm screen can shut a fragment out for good (fault-free
-  or not): zero-step pushes put zero norms into its median, then every real push is "above the
-  median" and the fragment's anchors, hence its outer gradients, only grow. Assert it once fixed.
+  learners the schedule kills and stops must show the time they lost.
+
+Asserted since the syncer's two round bugs that chaos runs found were fixed: no fragment's version
+stands still for FRAGMENT_STALL_S while learners are live (the norm screen once shut a fragment out
+for good after zero-step pushes had pulled its median to zero; carried late pushes once answered for
+their learners, so rounds merged before the learners' own pushes, which then came with no steps).
 """
 
 from __future__ import annotations
@@ -46,11 +50,12 @@ DURATION_S = 150.0
 #: Both runs happen in the first test that needs them: far above their ~3 min each.
 TIMEOUT_S = 900
 MIN_FAULTS = 100
+#: The chaos run's eval loss against the fault-free run's at equal steps (target 1.03; see the
+#: module docstring).
+EQUAL_STEPS_BOUND = 1.08
 MiB = 2**20
 
-pytestmark = [
-    pytest.mark.timeout(TIMEOUT_S),
-]
+pytestmark = pytest.mark.timeout(TIMEOUT_S)
 
 
 def _say(report: ChaosReport, what: str) -> None:
@@ -67,7 +72,7 @@ def chaos(tmp_path_factory: pytest.TempPathFactory) -> ChaosReport:
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory: pytest.TempPathFactory) -> ChaosReport:
     work = tmp_path_factory.mktemp("fault-free")
-    report = ChaosRun(ChaosPlan(work=work, duration_s=DURATION_S, faults=False)).run()
+    report = ChaosRun(ChaosPlan(work=work, duration_s=DURATION_S, faults=False, keep_curve=True)).run()
     _say(report, "fault-free run")
     return report
 
@@ -122,8 +127,7 @@ def test_versions_never_fall_and_training_never_stops(chaos: ChaosReport) -> Non
     assert chaos.progress_windows >= 0.5 * DURATION_S / 6
     assert chaos.learner_stalls == [], _where(chaos)
     assert chaos.learner_progress_lines >= len(LEARNERS) * DURATION_S / 4
-    if chaos.fragment_stalls:  # a known syncer issue (module docstring): said, not failed
-        print(f"\nfragments that stood still: {chaos.fragment_stalls}")
+    assert chaos.fragment_stalls == [], _where(chaos)
 
 
 def test_every_learner_ends_on_the_syncers_fragments(chaos: ChaosReport) -> None:
@@ -156,13 +160,22 @@ def test_goodput_is_reported_and_sees_lost_time(chaos: ChaosReport, fault_free: 
 
 
 def test_eval_loss_stays_close_to_the_fault_free_run(chaos: ChaosReport, fault_free: ChaosReport) -> None:
-    print(f"\neval loss: chaos {chaos.eval_loss:.4f}, fault-free {fault_free.eval_loss:.4f}")
+    """At equal steps: the fault-free run's loss when its learners had trained as many steps as the
+    chaos run's kept (interpolated between its checkpoints), so what is compared is the faults'
+    cost, not how much of the shared host each run happened to get."""
+    reference, how = fault_free.loss_at_steps(chaos.steps)
+    print(
+        f"\neval loss: chaos {chaos.eval_loss:.4f} after {chaos.steps} steps; fault-free "
+        f"{reference:.4f} at as many ({how}), {fault_free.eval_loss:.4f} after {fault_free.steps}"
+    )
     assert fault_free.eval_loss < 0.5 * math.log(256)  # training happened: the initial model is ~ln 256
-    assert chaos.eval_loss <= 1.15 * fault_free.eval_loss
+    assert len(fault_free.curve) >= 10  # a checkpoint every 5 s, each one kept
+    assert chaos.eval_loss <= EQUAL_STEPS_BOUND * reference
 
 
 def test_the_fault_free_run_is_clean(fault_free: ChaosReport) -> None:
     assert fault_free.injected == 0
     assert fault_free.crashes == [] and fault_free.lost == [] and fault_free.double_applied == []
     assert fault_free.version_drops == [] and fault_free.stalls == [] and fault_free.learner_stalls == []
+    assert fault_free.fragment_stalls == []
     assert fault_free.not_holding == [], fault_free.holding

@@ -437,3 +437,20 @@ def test_goodput_is_reported_step_time_over_wall_time_since_the_first_join() -> 
     assert restarted.learners["a"].first_joined == -95.0
     restarted.restore_learner("a", tracked_s=1.0, useful_s=1.0, now=7.0)  # known already: kept
     assert restarted.learners["a"].useful_s == 80.0
+
+
+def test_a_learner_refused_as_stale_is_no_longer_waited_for() -> None:
+    """A push refused at its header for a stale base is the last this round hears from its
+    learner: the round merges the others' pushes without waiting out its grace for it, and a
+    carried push of its own still joins (it alone cannot make quorum while others are expected)."""
+    config = RoundConfig(fragments=1, sync_every=1, quorum=1)
+    rounds = Rounds(config, versions=[2])
+    for learner in ("a", "b"):
+        rounds.join(learner, 0.0)
+    request = first_round(rounds)
+    assert request.version == 2
+    assert rounds.admit(push_for(request, "b", base=0), now=0.1) is Refusal.STALE_VERSION
+    fresh = push_for(request, "a")
+    assert rounds.admit(fresh, now=0.1) is None
+    (merge,) = of(Merge, rounds.push_complete(fresh, OK, now=0.2))  # not at the grace deadline
+    assert merge.pushes == (fresh,) and merge.grace_waited_s == 0.0

@@ -24,7 +24,9 @@ stdlib's sources), same number of training tokens; the number compared is the ev
   - **h** c with every learner --precision int4 (fp32 is c).
 - Extra rows (only with --only): **a2** a with data seed 1 (run-to-run spread of a), **c2** c
   again (the spread of c: the interleaving of rounds differs run to run), **c-mom05** c with
-  --outer-momentum 0.5, **c-lr04** c with --outer-lr 0.4, **solo** one learner's batch (16) alone
+  --outer-momentum 0.5, **c-lr04** c with --outer-lr 0.4, **c-avg** c with --outer-lr 1
+  --outer-momentum 0 (the merged outer gradient applied as it is: averaging, no momentum),
+  **solo** one learner's batch (16) alone
   for --steps steps, 1/M of the tokens (what the M learners would reach without any merging).
 
 Usage: python bench/convergence.py [--steps 300] [--learners 4] [--only a,c,d] [--json]
@@ -117,6 +119,11 @@ VARIANTS = {
         Variant("c2", "c again (spread of c)"),
         Variant("c-mom05", "c with --outer-momentum 0.5", syncer_args=("--outer-momentum", "0.5")),
         Variant("c-lr04", "c with --outer-lr 0.4", syncer_args=("--outer-lr", "0.4")),
+        Variant(
+            "c-avg",
+            "c with --outer-lr 1 --outer-momentum 0 (averaging)",
+            syncer_args=("--outer-lr", "1", "--outer-momentum", "0"),
+        ),
         Variant("solo", "one learner alone, batch 16 (1/M of the tokens)", data_parallel=True, solo=True),
     )
 }

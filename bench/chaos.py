@@ -17,8 +17,8 @@ Targets (bench/RESULTS.md §8): the chaos run's eval loss within 3 % of the faul
 equal steps), and the goodput of the surviving learner (c: network faults and the syncer's restart
 only, never killed or stopped) at least 85 %.
 
-Usage: python bench/chaos.py [--repeats 2] [--duration-s 150] [--out bench/results/chaos.json]
-       [--keep DIR]
+Usage: python bench/chaos.py [--repeats 2] [--first-repeat 0] [--duration-s 150]
+       [--out bench/results/chaos.json] [--keep DIR]
 A benchmark: it measures and records, it asserts nothing.
 """
 
@@ -54,12 +54,19 @@ def row(report: ChaosReport) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--repeats", type=int, default=2, help="pairs of runs (fault-free, chaos)")
+    parser.add_argument(
+        "--first-repeat",
+        type=int,
+        default=0,
+        help="number of the first pair: its schedule seed, and whether fault-free goes first (even)",
+    )
     parser.add_argument("--duration-s", type=float, default=150.0, help="length of each run's schedule")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON file the results go to")
     parser.add_argument("--keep", type=Path, default=None, help="keep the daemons' logs and state here")
     args = parser.parse_args(argv)
-    if args.repeats < 1 or args.duration_s < 60:
-        parser.error("--repeats must be >= 1 and --duration-s >= 60")
+    if args.repeats < 1 or args.duration_s < 60 or args.first_repeat < 0:
+        parser.error("--repeats must be >= 1, --duration-s >= 60 and --first-repeat >= 0")
+    repeats = range(args.first_repeat, args.first_repeat + args.repeats)
 
     def say(text: str) -> None:
         print(text, flush=True)
@@ -69,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     pairs = []
     with contextlib.ExitStack() as stack:
         root = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dilocod-chaos-")))
-        for repeat in range(args.repeats):
+        for repeat in repeats:
             order = (False, True) if repeat % 2 == 0 else (True, False)
             for faults in order:
                 name = f"{'chaos' if faults else 'fault-free'}-{repeat}"
@@ -91,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"  crashes {len(report.crashes)}  ({report.wall_s:.0f} s)"
                 )
         # Inside the ExitStack: the fault-free runs' kept checkpoints are evaluated here.
-        for repeat in range(args.repeats):
+        for repeat in repeats:
             clean, chaos = reports[repeat, False], reports[repeat, True]
             at_steps, how = clean.loss_at_steps(chaos.steps)
             pairs.append(
@@ -114,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     document = {
         # Where the logs were kept is this machine's business, not the record's.
         "command": f"python bench/chaos.py --repeats {args.repeats} --duration-s {args.duration_s:g}"
+        + (f" --first-repeat {args.first_repeat}" if args.first_repeat else "")
         + (" --keep DIR" if args.keep else ""),
         "duration_s": args.duration_s,
         "repeats": args.repeats,

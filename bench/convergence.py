@@ -23,11 +23,11 @@ stdlib's sources), same number of training tokens; the number compared is the ev
   - **g** c with every learner --apply keep-local (overwrite is c).
   - **h** c with every learner --precision int4 (fp32 is c).
 - Extra rows (only with --only): **a2** a with data seed 1 (run-to-run spread of a), **c2** c
-  again (the spread of c: the interleaving of rounds differs run to run), **c-mom05** c with
-  --outer-momentum 0.5, **c-lr04** c with --outer-lr 0.4, **c-avg** c with --outer-lr 1
-  --outer-momentum 0 (the merged outer gradient applied as it is: averaging, no momentum),
-  **solo** one learner's batch (16) alone
-  for --steps steps, 1/M of the tokens (what the M learners would reach without any merging).
+  again (the spread of c: the interleaving of rounds differs run to run), **c-mom05** and
+  **c-mom07** c with --outer-momentum 0.5 and 0.7, **c-lr04** c with --outer-lr 0.4, **c-avg** c
+  with --outer-lr 1 --outer-momentum 0 (the merged outer gradient applied as it is: averaging, no
+  momentum), **solo** one learner's batch (16) alone for --steps steps, 1/M of the tokens (what the
+  M learners would reach without any merging).
 
 Usage: python bench/convergence.py [--steps 300] [--learners 4] [--only a,c,d] [--json]
        [--out bench/results/convergence.json]
@@ -118,6 +118,7 @@ VARIANTS = {
         Variant("a2", "a, data seed 1 (spread of a)", data_parallel=True, data_seed=1),
         Variant("c2", "c again (spread of c)"),
         Variant("c-mom05", "c with --outer-momentum 0.5", syncer_args=("--outer-momentum", "0.5")),
+        Variant("c-mom07", "c with --outer-momentum 0.7", syncer_args=("--outer-momentum", "0.7")),
         Variant("c-lr04", "c with --outer-lr 0.4", syncer_args=("--outer-lr", "0.4")),
         Variant(
             "c-avg",

@@ -61,6 +61,10 @@ MAX_FDS = 200
 STATS_EVERY_S = 1.0
 STOP_TIMEOUT_S = 30.0
 CONFIG_TIMEOUT_S = 30.0
+#: recvmsg's arguments, computed once: the flags are IntFlag members, whose arithmetic runs Python
+#: code on every message at the training thread's boundary.
+_CUT_SHORT = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)
+_ANCILLARY_BYTES = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
 
 
 class NetworkProcessError(RuntimeError):
@@ -163,9 +167,7 @@ class Channel:
             raise NetworkProcessError("the other process closed its end")
         while True:
             try:
-                body, ancillary, flags, _ = self.sock.recvmsg(
-                    MAX_DATAGRAM_BYTES, socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
-                )
+                body, ancillary, flags, _ = self.sock.recvmsg(MAX_DATAGRAM_BYTES, _ANCILLARY_BYTES)
             except BlockingIOError:
                 return out
             except OSError as exc:
@@ -179,7 +181,7 @@ class Channel:
             for level, kind, data in ancillary:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     fds.extend(array.array("i", data[: len(data) - len(data) % 4]))
-            if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+            if flags & _CUT_SHORT:
                 for fd in fds:
                     os.close(fd)
                 raise NetworkProcessError("a message from the other process was cut short")

@@ -17,6 +17,12 @@ fragments of different sizes are not comparable), `push_complete`
 records it. A push that completes after its round started merging is late: it is carried into the
 next round of the same fragment, with its weight, unless by then its base version is more than
 `staleness` versions behind.
+
+Who a round waits for: the learners it asked that are live and have not answered, minus those
+whose push was screened out, refused as stale or failed in transit (a learner does not push a round
+twice unless it is asked again on a rejoin). A carried push does not answer for its learner. After
+one whole cycle of the schedule a round waits for nobody: a push held up in flight must not keep
+its fragment from its next turn.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from dilocod.outer.guard import Verdict
 NORM_HISTORY = 64
 #: Ended rounds remembered (to admit late pushes), in units of the fragment count.
 CLOSED_ROUNDS_PER_FRAGMENT = 2
+#: The shortest time a round waits for learners that have not answered (see Rounds._expires_at).
+MIN_WAIT_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +239,7 @@ class Rounds:
         for rnd in self._open.values():
             if rnd.state is RoundState.OPEN and learner not in rnd.pushes:
                 rnd.requested.add(learner)
+                rnd.refused.discard(learner)  # asked again: its answer is expected again
                 actions.append(Request(rnd.index, rnd.fragment, rnd.version, (learner,)))
         return actions
 
@@ -319,10 +328,13 @@ class Rounds:
         return self.tick(now)
 
     def push_failed(self, push: Push, now: float) -> list[Action]:
-        """An admitted push never completed (transfer failed, learner gone): it may push again."""
+        """An admitted push never completed (a corrupt chunk, a transfer reset, the learner gone).
+        A learner does not push a failed round again unless it is asked again (join), so the
+        round stops waiting for it; a new header of its own is still admitted."""
         rnd = self._open.get(push.round_index) or self._closed.get(push.round_index)
         if rnd is not None:
             rnd.admitted.discard(push.learner)
+            rnd.refused.add(push.learner)
         return self.tick(now)
 
     # ------------------------------------------------------------------ time
@@ -354,9 +366,14 @@ class Rounds:
         return actions
 
     def next_deadline(self) -> float | None:
-        """When tick must run next even if nothing arrives (the earliest grace deadline)."""
+        """When tick must run next even if nothing arrives: the earliest grace deadline, or the
+        earliest moment an open round stops waiting for its learners (_expires_at)."""
         deadlines = [
-            r.deadline for r in self._open.values() if r.state is RoundState.OPEN and r.deadline is not None
+            when
+            for r in self._open.values()
+            if r.state is RoundState.OPEN
+            for when in (r.deadline, self._expires_at(r))
+            if when is not None
         ]
         return min(deadlines, default=None)
 
@@ -404,6 +421,16 @@ class Rounds:
         )
         return min(max(self.config.grace_factor * slack, 0.0), step)
 
+    def _expires_at(self, rnd: _Round) -> float | None:
+        """When a round stops waiting for learners that have not answered: one whole cycle of the
+        schedule (H mean steps, at least MIN_WAIT_S) after it opened. A push can be held up far
+        longer than that (a learner stopped mid-transfer keeps its session until the idle
+        timeout), and a round that waits for it keeps its fragment from opening another."""
+        step = self._step_time.value
+        if step is None:
+            return None
+        return rnd.opened_at + max(self.config.sync_every * step, MIN_WAIT_S)
+
     def _take_carried(self, rnd: _Round) -> tuple[dict[str, Push], list[Action]]:
         """Late pushes of this fragment that may join the round, and releases for the rest."""
         carried = self._carried.get(rnd.fragment, {})
@@ -426,12 +453,15 @@ class Rounds:
     def _maybe_merge(self, rnd: _Round, now: float) -> list[Action]:
         joining, actions = self._take_carried(rnd)
         pushes = {**joining, **rnd.pushes}
-        # Still expected: asked, live (leave() forgets the others) and not refused. Every
-        # admitted push in flight is from an asked learner. A late push carried in from an earlier
-        # round does not answer for its learner: counted, it let a round reach quorum the moment it
-        # opened and merge before that learner's own push, which then came with no steps to merge
-        # (found by tests/chaos: one fragment merged 128 times against 211 for the others).
-        waiting = rnd.requested - set(rnd.pushes) - rnd.refused
+        # Still expected: asked, live (leave() forgets the others) and not refused, until the round
+        # has waited a whole cycle. Every admitted push in flight is from an asked learner. A late
+        # push carried in from an earlier round does not answer for its learner: counted, it let a
+        # round reach quorum the moment it opened and merge before that learner's own push, which
+        # then came with no steps to merge (found by tests/chaos: one fragment merged 128 times
+        # against 211 for the others).
+        expires_at = self._expires_at(rnd)
+        waited_out = expires_at is not None and now >= expires_at
+        waiting = set() if waited_out else rnd.requested - set(rnd.pushes) - rnd.refused
         if not pushes and not waiting:
             # Everyone asked answered with a screened-out push, or left: nothing can ever merge
             # here. Closing the round frees its fragment for its next turn instead of blocking it

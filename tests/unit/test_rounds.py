@@ -454,3 +454,68 @@ def test_a_learner_refused_as_stale_is_no_longer_waited_for() -> None:
     assert rounds.admit(fresh, now=0.1) is None
     (merge,) = of(Merge, rounds.push_complete(fresh, OK, now=0.2))  # not at the grace deadline
     assert merge.pushes == (fresh,) and merge.grace_waited_s == 0.0
+
+
+def test_a_failed_push_is_not_waited_for_unless_its_learner_is_asked_again() -> None:
+    """A learner whose push failed (a corrupt chunk: the syncer reset the transfer) does not push
+    that round again: the round merges the others' without waiting out its grace. Asked again on
+    a rejoin, it is waited for again."""
+    config = RoundConfig(fragments=1, sync_every=1, quorum=1)
+    rounds = started(config, ("a", "b"))
+    request = first_round(rounds)
+    failed = push_for(request, "b")
+    assert rounds.admit(failed, now=0.1) is None
+    rounds.push_failed(failed, now=0.2)
+    fresh = push_for(request, "a")
+    rounds.admit(fresh, now=0.3)
+    (merge,) = of(Merge, rounds.push_complete(fresh, OK, now=0.4))
+    assert merge.pushes == (fresh,) and merge.grace_waited_s == 0.0
+    # The next round: b's push fails, then b rejoins and is asked again: now it is waited for.
+    rounds.merged(merge.round_index, now=0.5)
+    (following,) = of(Request, rounds.step("a", 10, 1.0, now=1.0) + rounds.step("b", 10, 1.0, now=1.0))
+    again = push_for(following, "b")
+    rounds.admit(again, now=1.1)
+    rounds.push_failed(again, now=1.2)
+    rounds.leave("b", now=1.3)
+    (ask,) = rounds.join("b", now=1.4)
+    assert ask.round_index == following.round_index
+    own = push_for(following, "a")
+    rounds.admit(own, now=1.5)
+    assert of(Merge, rounds.push_complete(own, OK, now=1.6)) == []  # grace: b may answer now
+
+
+def test_a_round_stops_waiting_after_a_whole_cycle() -> None:
+    """Pushes held up in flight (a learner stopped mid-transfer keeps its session until the idle
+    timeout) must not hold a fragment for that long: a round with no push after one cycle of the
+    schedule (H mean steps) is abandoned, so its fragment opens again at its next turn, and a push
+    that completes later is carried there."""
+    config = RoundConfig(fragments=4, sync_every=4, quorum=1)
+    rounds = started(config, ("a", "b"))
+    request = first_round(rounds, step_time_s=0.5)  # a cycle: 4 steps x 0.5 s = 2 s
+    held = [push_for(request, name) for name in ("a", "b")]
+    for push in held:
+        assert rounds.admit(push, now=0.1) is None
+    expires = rounds.next_deadline()
+    assert expires == pytest.approx(request_opened_at(rounds, request) + 2.0)
+    assert rounds.tick(now=expires - 0.01) == [] and rounds.rounds_abandoned == 0
+    rounds.tick(now=expires)
+    assert rounds.rounds_abandoned == 1 and rounds.versions == [0, 0, 0, 0]
+    # The held push arrives at last: its round ended, so it waits for the fragment's next round.
+    assert of(Merge, rounds.push_complete(held[0], OK, now=expires + 1.0)) == []
+    again, again_at, now = None, 0.0, expires + 2.0
+    while again is None:  # the fragment's next turn, a cycle later at most
+        assert now < expires + 10.0
+        for learner in ("a", "b"):
+            for asked in of(Request, rounds.step(learner, 10, 0.5, now=now)):
+                if asked.fragment == request.fragment:
+                    again, again_at = asked, now
+        now += 0.5
+    fresh = push_for(again, "b")
+    rounds.admit(fresh, now=again_at + 0.1)
+    done = rounds.push_complete(fresh, OK, now=again_at + 0.2) + rounds.tick(now=again_at + 10.0)
+    (merge,) = of(Merge, done)
+    assert {p.learner for p in merge.pushes} == {"a", "b"}  # a's carried push joined b's own
+
+
+def request_opened_at(rounds: Rounds, request: Request) -> float:
+    return rounds._open[request.round_index].opened_at

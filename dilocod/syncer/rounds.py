@@ -186,12 +186,14 @@ class _Round:
     pushes: dict[str, Push] = field(default_factory=dict)
     #: Learners whose push header was admitted and has not failed: one push per learner a round.
     admitted: set[str] = field(default_factory=set)
-    #: Learners whose push was screened out or refused as stale: nothing more is expected of
-    #: them this round.
+    #: Learners whose push was screened out, refused as stale or failed in transit: nothing more
+    #: is expected of them this round (unless they are asked again).
     refused: set[str] = field(default_factory=set)
     quorum_at: float | None = None
     deadline: float | None = None
     merge_started_at: float | None = None
+    #: Set once the round has waited a whole cycle and stopped waiting for anyone (_expires_at).
+    waited_out: bool = False
 
 
 class Rounds:
@@ -372,7 +374,7 @@ class Rounds:
             when
             for r in self._open.values()
             if r.state is RoundState.OPEN
-            for when in (r.deadline, self._expires_at(r))
+            for when in (r.deadline, None if r.waited_out else self._expires_at(r))
             if when is not None
         ]
         return min(deadlines, default=None)
@@ -459,14 +461,18 @@ class Rounds:
         # round reach quorum the moment it opened and merge before that learner's own push, which
         # then came with no steps to merge (found by tests/chaos: one fragment merged 128 times
         # against 211 for the others).
-        expires_at = self._expires_at(rnd)
-        waited_out = expires_at is not None and now >= expires_at
-        waiting = set() if waited_out else rnd.requested - set(rnd.pushes) - rnd.refused
+        if not rnd.waited_out:
+            expires_at = self._expires_at(rnd)
+            # Once past, the moment leaves next_deadline: a round below quorum stays open after it
+            # (K > 1 with fewer learners live), and the ticker must not spin on a past deadline.
+            rnd.waited_out = expires_at is not None and now >= expires_at
+        waiting = set() if rnd.waited_out else rnd.requested - set(rnd.pushes) - rnd.refused
         if not pushes and not waiting:
-            # Everyone asked answered with a screened-out push, or left: nothing can ever merge
-            # here. Closing the round frees its fragment for its next turn instead of blocking it
-            # until some learner joins again. (A round holding pushes below quorum stays open:
-            # those pushes are work, and the rounds resume when K learners are back.)
+            # Everyone asked answered with a push that was screened out or failed, or left, or the
+            # round waited a whole cycle for nothing: nothing can ever merge here. Closing the
+            # round frees its fragment for its next turn instead of blocking it until some learner
+            # joins again. (A round holding pushes below quorum stays open: those pushes are work,
+            # and the rounds resume when K learners are back.)
             self._close(rnd, RoundState.ABANDONED)
             self.rounds_abandoned += 1
             return actions

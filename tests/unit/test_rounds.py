@@ -519,3 +519,23 @@ def test_a_round_stops_waiting_after_a_whole_cycle() -> None:
 
 def request_opened_at(rounds: Rounds, request: Request) -> float:
     return rounds._open[request.round_index].opened_at
+
+
+def test_a_round_below_quorum_that_waited_a_cycle_leaves_the_deadlines() -> None:
+    """K = 2 and only a answers: after a cycle the round stops waiting for b but keeps a's push
+    (work, until K learners are back), and its past moment is no longer a deadline the ticker would
+    wake for again and again."""
+    config = RoundConfig(fragments=4, sync_every=4, quorum=2)
+    rounds = started(config, ("a", "b"))
+    request = first_round(rounds, step_time_s=0.5)
+    own = push_for(request, "a")
+    rounds.admit(own, now=0.1)
+    rounds.push_complete(own, OK, now=0.2)
+    expires = rounds.next_deadline()
+    assert expires is not None
+    assert of(Merge, rounds.tick(now=expires + 0.1)) == []
+    assert rounds.rounds_abandoned == 0 and rounds.next_deadline() is None
+    late = push_for(request, "b")  # b answers after all: quorum, merged at once
+    rounds.admit(late, now=expires + 0.2)
+    (merge,) = of(Merge, rounds.push_complete(late, OK, now=expires + 0.3))
+    assert {p.learner for p in merge.pushes} == {"a", "b"}

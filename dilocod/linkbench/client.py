@@ -154,7 +154,6 @@ class _Link:
         )  # fmt: skip
         raw = RawClient(self.host, self.raw_port, streams, "threaded")
         ceilings: list[float] = []
-        rows = []
         try:
             view = memoryview(self.data)
             raw.send(view)  # warm-up: the receiver allocates its destination

@@ -213,6 +213,19 @@ class _CopyInFlight:
         self.finished = True
 
 
+def _snapshot_in_flight(
+    parent: ProcessBridge, child: _Child, *, fragment: int, round_: int, size: int
+) -> tuple[Snapshot, _CopyInFlight]:
+    """A healed fragment (the child delivered its anchor) and a snapshot of it, θ = 0, 1, 2, ...,
+    whose device copy is still running."""
+    child.call(child.bridge.post_update, Adopt(fragment, 1, bytearray(size), True, "inc"))
+    (update,) = _take_until(parent, lambda i: i.updates).updates  # type: ignore[attr-defined]
+    theta = parent.snapshot_buffer(size)
+    theta[:] = bytes(range(size))
+    copy = _CopyInFlight()
+    return Snapshot(fragment, round_, 1, 3, 300, theta, update.buffer, copy), copy
+
+
 def _drain_snapshots(child: _Child, count: int) -> list[Snapshot]:
     got: list[Snapshot] = []
     for _ in range(100):
@@ -230,13 +243,8 @@ def test_a_snapshot_whose_device_copy_runs_waits_for_a_later_boundary(
     """flush() never waits for the GPU: a snapshot whose copy is still running goes at a later
     boundary, once done, and the steps reported meanwhile are not held back with it."""
     parent, child = pair
-    anchor = bytearray(64)
-    child.call(child.bridge.post_update, Adopt(2, 1, anchor, True, "inc"))
-    (update,) = _take_until(parent, lambda i: i.updates).updates  # type: ignore[attr-defined]
-    copy = _CopyInFlight()
-    theta = parent.snapshot_buffer(64)
-    theta[:] = bytes(range(64))
-    parent.send_snapshot(Snapshot(2, 5, 1, 3, 300, theta, update.buffer, copy), wake=False)
+    snapshot, copy = _snapshot_in_flight(parent, child, fragment=2, round_=5, size=64)
+    parent.send_snapshot(snapshot, wake=False)
     parent.report_step(StepReportItem(3, 100, 0.01), wake=False)
     parent.flush()
     for _ in range(20):  # the step report arrives; the snapshot must not
@@ -249,21 +257,17 @@ def test_a_snapshot_whose_device_copy_runs_waits_for_a_later_boundary(
     assert copy.waited == 0
     copy.finished = True  # the GPU got there; the next boundary sends it
     parent.flush()
-    (snapshot,) = _drain_snapshots(child, 1)
-    assert (snapshot.fragment, snapshot.round) == (2, 5) and bytes(snapshot.theta) == bytes(range(64))
+    (sent,) = _drain_snapshots(child, 1)
+    assert (sent.fragment, sent.round) == (2, 5) and bytes(sent.theta) == bytes(range(64))
     assert copy.waited == 0  # never waited on the training thread
 
 
 def test_closing_waits_out_a_deferred_device_copy(pair: tuple[ProcessBridge, _Child]) -> None:
     """The last boundary's push is not lost when the copy is still running at shutdown."""
     parent, child = pair
-    anchor = bytearray(32)
-    child.call(child.bridge.post_update, Adopt(0, 1, anchor, True, "inc"))
-    (update,) = _take_until(parent, lambda i: i.updates).updates  # type: ignore[attr-defined]
-    copy = _CopyInFlight()
-    theta = parent.snapshot_buffer(32)
-    parent.send_snapshot(Snapshot(0, 9, 1, 1, 10, theta, update.buffer, copy))  # deferred
+    snapshot, copy = _snapshot_in_flight(parent, child, fragment=0, round_=9, size=32)
+    parent.send_snapshot(snapshot)  # deferred
     parent.close()
     assert copy.waited == 1
-    (snapshot,) = _drain_snapshots(child, 1)
-    assert snapshot.round == 9
+    (sent,) = _drain_snapshots(child, 1)
+    assert sent.round == 9

@@ -491,12 +491,12 @@ def test_a_round_stops_waiting_after_a_whole_cycle() -> None:
     that completes later is carried there."""
     config = RoundConfig(fragments=4, sync_every=4, quorum=1)
     rounds = started(config, ("a", "b"))
-    request = first_round(rounds, step_time_s=0.5)  # a cycle: 4 steps x 0.5 s = 2 s
+    request = first_round(rounds, now=0.0, step_time_s=0.5)  # opens at 0; a cycle: 4 x 0.5 s
     held = [push_for(request, name) for name in ("a", "b")]
     for push in held:
         assert rounds.admit(push, now=0.1) is None
     expires = rounds.next_deadline()
-    assert expires == pytest.approx(request_opened_at(rounds, request) + 2.0)
+    assert expires == pytest.approx(2.0)
     assert rounds.tick(now=expires - 0.01) == [] and rounds.rounds_abandoned == 0
     rounds.tick(now=expires)
     assert rounds.rounds_abandoned == 1 and rounds.versions == [0, 0, 0, 0]
@@ -515,10 +515,6 @@ def test_a_round_stops_waiting_after_a_whole_cycle() -> None:
     done = rounds.push_complete(fresh, OK, now=again_at + 0.2) + rounds.tick(now=again_at + 10.0)
     (merge,) = of(Merge, done)
     assert {p.learner for p in merge.pushes} == {"a", "b"}  # a's carried push joined b's own
-
-
-def request_opened_at(rounds: Rounds, request: Request) -> float:
-    return rounds._open[request.round_index].opened_at
 
 
 def test_a_round_below_quorum_that_waited_a_cycle_leaves_the_deadlines() -> None:

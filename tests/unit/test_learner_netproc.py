@@ -124,8 +124,12 @@ def _take_until(parent: ProcessBridge, predicate) -> object:  # type: ignore[no-
 def test_updates_cross_in_shared_memory_and_snapshots_come_back(pair: tuple[ProcessBridge, _Child]) -> None:
     parent, child = pair
     first = bytearray(range(256)) * 16
-    child.call(child.bridge.post_update, Adopt(3, 7, first, True, "inc"))
-    child.call(child.bridge.post_request, FragmentRequest(3, 11, 7))
+
+    def post_both() -> None:  # in one turn of the child's loop, so they are forwarded together
+        child.bridge.post_update(Adopt(3, 7, first, True, "inc"))
+        child.bridge.post_request(FragmentRequest(3, 11, 7))
+
+    child.call(post_both)
     inbox = _take_until(parent, lambda i: i.updates)
     (update,) = inbox.updates
     assert (update.fragment, update.version, update.heal, update.incarnation) == (3, 7, True, "inc")

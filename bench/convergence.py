@@ -28,6 +28,9 @@ stdlib's sources), same number of training tokens; the number compared is the ev
   with --outer-lr 1 --outer-momentum 0 (the merged outer gradient applied as it is: averaging, no
   momentum), **solo** one learner's batch (16) alone for --steps steps, 1/M of the tokens (what the
   M learners would reach without any merging).
+- Sweep rows (only with --only), named by what they change from c: **c-lr<η>**, **-m<μ>** and
+  **-kl** in that order, e.g. `c-lr1-m0.5-kl` is c with --outer-lr 1 --outer-momentum 0.5 and every
+  learner --apply keep-local.
 
 Usage: python bench/convergence.py [--steps 300] [--learners 4] [--only a,c,d] [--json]
        [--out bench/results/convergence.json]
@@ -41,6 +44,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -129,6 +133,32 @@ VARIANTS = {
     )
 }
 DEFAULT_ONLY = "a,b,c,d,e,f,g,h"
+SWEEP_KEY = re.compile(r"c(?:-lr(?P<lr>\d+(?:\.\d+)?))?(?:-m(?P<mom>\d+(?:\.\d+)?))?(?P<kl>-kl)?")
+
+
+def variant_for(key: str) -> Variant | None:
+    """The named row, or a sweep row parsed from its key (see the module docstring); None if neither."""
+    if key in VARIANTS:
+        return VARIANTS[key]
+    match = SWEEP_KEY.fullmatch(key)
+    if match is None:
+        return None
+    syncer_args: list[str] = []
+    changes: list[str] = []
+    if match["lr"] is not None:
+        syncer_args += ["--outer-lr", match["lr"]]
+        changes.append(f"--outer-lr {match['lr']}")
+    if match["mom"] is not None:
+        if not float(match["mom"]) < 1:
+            return None
+        syncer_args += ["--outer-momentum", match["mom"]]
+        changes.append(f"--outer-momentum {match['mom']}")
+    learner_args = ("--apply", "keep-local") if match["kl"] else ()
+    if learner_args:
+        changes.append("--apply keep-local")
+    label = f"c with {' '.join(changes)}"
+    return Variant(key, label, syncer_args=tuple(syncer_args), learner_args=learner_args)
+
 
 Say = Callable[[str], None]
 
@@ -332,14 +362,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         default=DEFAULT_ONLY,
-        help=f"comma-separated subset of {', '.join(VARIANTS)} (default {DEFAULT_ONLY})",
+        help=f"comma-separated subset of {', '.join(VARIANTS)}, or sweep rows such as c-lr1-m0.5-kl"
+        f" (default {DEFAULT_ONLY})",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON file the results are merged into")
     parser.add_argument("--keep", type=Path, default=None, help="keep the daemons' logs and state here")
     args = parser.parse_args(argv)
     keys = [key.strip() for key in args.only.split(",") if key.strip()]
-    unknown = [key for key in keys if key not in VARIANTS]
+    unknown = [key for key in keys if variant_for(key) is None]
     if unknown or args.steps < 1 or args.learners < 1:
         parser.error(
             f"unknown configurations {unknown}" if unknown else "--steps and --learners must be >= 1"
@@ -356,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         root = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dilocod-conv-")))
         for key in keys:
-            variant = VARIANTS[key]
+            variant = variant_for(key)
+            assert variant is not None  # checked above
             started = time.monotonic()
             if variant.data_parallel:
                 row = run_data_parallel(variant, args.steps, args.learners, held_out)

@@ -131,23 +131,29 @@ def prepare(config: SyncerConfig, secret: bytes | None, *, tls: ssl.SSLContext |
     )
     if loaded is not None:
         down_s = time.time() - loaded.saved_at_unix_s
-        _restore_goodput(rounds, restored.get("roster"), down_s, service.clock())
+        _restore_roster(rounds, restored.get("roster"), down_s, service.clock())
     return Prepared(service, None if loaded is None else loaded.path)
 
 
-def _restore_goodput(rounds: Rounds, roster: object, down_s: float, now: float) -> None:
-    """Each known learner's goodput terms from the checkpoint's roster. The time since the
-    checkpoint counts as wall time without useful steps: the learners' reports since then were
-    lost with this syncer, and so is what they trained (they heal to the checkpoint's model)."""
+def _restore_roster(rounds: Rounds, roster: object, down_s: float, now: float) -> None:
+    """Each known learner's goodput terms and last reported step from the checkpoint's roster.
+    The time since the checkpoint counts as wall time without useful steps: the learners' reports
+    since then were lost with this syncer, and so is what they trained (they heal to the
+    checkpoint's model)."""
     if not isinstance(roster, dict):
         return
     for learner, entry in roster.items():
         if not isinstance(entry, dict):
             continue
         tracked, useful = entry.get("tracked_s"), entry.get("useful_s")
+        step = entry.get("local_step", 0)  # absent from checkpoints of earlier versions
         if isinstance(tracked, int | float) and isinstance(useful, int | float):
             rounds.restore_learner(
-                str(learner), tracked_s=float(tracked) + max(0.0, down_s), useful_s=float(useful), now=now
+                str(learner),
+                tracked_s=float(tracked) + max(0.0, down_s),
+                useful_s=float(useful),
+                now=now,
+                local_step=step if isinstance(step, int) and not isinstance(step, bool) else 0,
             )
 
 

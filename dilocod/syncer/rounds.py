@@ -148,6 +148,10 @@ class LearnerRecord:
     progress: int
     step_time: _Ema
     steps: int = 0
+    #: The learner's own step counter as it last reported it. Unlike `steps` (reports this
+    #: syncer has received) it outlives the syncer's restarts, and it goes back when the learner
+    #: restarts from an older save of its state: the steps its current model has trained.
+    local_step: int = 0
     tokens: int = 0
     contributions: int = 0
     #: Sum of this learner's merge weights over all merged rounds.
@@ -256,13 +260,17 @@ class Rounds:
                 rnd.admitted.discard(learner)
         return self.tick(now)
 
-    def step(self, learner: str, tokens: int, step_time_s: float, now: float) -> list[Action]:
-        """One inner step of a live learner (STEP_REPORT)."""
+    def step(
+        self, learner: str, tokens: int, step_time_s: float, now: float, *, local_step: int | None = None
+    ) -> list[Action]:
+        """One inner step of a live learner (STEP_REPORT; local_step is the report's own counter)."""
         record = self.learners.get(learner)
         if record is None or not record.live:
             return []
         record.progress += 1
         record.steps += 1
+        if local_step is not None:
+            record.local_step = local_step
         record.tokens += tokens
         if math.isfinite(step_time_s) and step_time_s > 0:
             record.step_time.add(step_time_s)
@@ -270,15 +278,19 @@ class Rounds:
             record.useful_s += step_time_s
         return self.tick(now)
 
-    def restore_learner(self, learner: str, *, tracked_s: float, useful_s: float, now: float) -> None:
+    def restore_learner(
+        self, learner: str, *, tracked_s: float, useful_s: float, now: float, local_step: int = 0
+    ) -> None:
         """A learner known before a restart of the syncer (from its checkpoint): not live, with
-        its goodput terms carried over. tracked_s is its wall time since it first joined, as of
-        `now`; the caller adds the time the syncer was down, since the learner lost that too."""
+        its goodput terms and last reported step carried over. tracked_s is its wall time since it
+        first joined, as of `now`; the caller adds the time the syncer was down, since the learner
+        lost that too."""
         if learner in self.learners:
             return
         record = LearnerRecord(learner, False, self.clock, _Ema(self.config.ema_alpha))
         record.first_joined = now - max(0.0, tracked_s)
         record.useful_s = max(0.0, useful_s)
+        record.local_step = max(0, local_step)
         self.learners[learner] = record
 
     def live(self) -> list[str]:

@@ -193,6 +193,7 @@ class SyncerService:
                 r.learner: {
                     "contributions": r.contributions,
                     "steps": r.steps,
+                    "local_step": r.local_step,
                     "tokens": r.tokens,
                     # The goodput's terms, carried over a restart (the daemon adds the downtime).
                     "useful_s": round(r.useful_s, 6),
@@ -343,7 +344,9 @@ class SyncerService:
         now = self.clock()
         if isinstance(item, StepReport):
             if peer.joined:
-                self._apply(self.rounds.step(peer.learner, item.tokens, item.step_time_s, now))
+                self._apply(
+                    self.rounds.step(peer.learner, item.tokens, item.step_time_s, now, local_step=item.step)
+                )
         elif isinstance(item, FragmentReceived):
             self._on_push(peer, item)
         elif isinstance(item, StatusRequest):
@@ -645,6 +648,7 @@ class SyncerService:
                     "weight_share": round(r.weight_total / total_weight, 6),
                     "steps_per_s": round(r.steps_per_s, 4),
                     "steps": r.steps,
+                    "step": r.local_step,
                     "tokens": r.tokens,
                     # Reported step time over wall time since the id first joined.
                     "goodput": round(r.goodput(now), 4),

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import itertools
 import json
 import os
 import random
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -934,7 +936,9 @@ def _final_fragments(syncer_state: Path) -> list[tuple[int, str]]:
 
 def _curve(root: Path) -> list[tuple[int, Path]]:
     """(steps trained by the learners, state dir) of every checkpoint kept under root, by steps:
-    the steps are those the syncer had been told of when it saved (its roster)."""
+    the sum of the learners' own step counters as the syncer last heard them when it saved (its
+    roster's local_step, carried over the syncer's restarts; a learner restarted from an older
+    save counts from that save again, as ChaosRun._steps_trained does)."""
     from dilocod.syncer.checkpoint import CheckpointError, load_latest_checkpoint
 
     points = []
@@ -945,7 +949,7 @@ def _curve(root: Path) -> list[tuple[int, Path]]:
             continue  # damaged by a copy that raced the syncer's pruning
         if loaded is not None:
             roster = loaded.state.meta.get("roster", {})
-            points.append((sum(int(r["steps"]) for r in roster.values()), state_dir))
+            points.append((sum(int(r["local_step"]) for r in roster.values()), state_dir))
     return sorted(points)
 
 
@@ -960,6 +964,10 @@ def _eval_loss(syncer_state: Path) -> float:
     model = CharLM(CharLMConfig())
     model.load_state_dict(loaded.state.params, strict=False)  # the tied head is stored once
     return float(evaluate(model))
+
+
+#: A kept checkpoint never changes, and the comparisons read each one several times.
+_kept_loss = functools.cache(_eval_loss)
 
 
 @dataclass
@@ -1017,11 +1025,30 @@ class ChaosReport:
             return self.eval_loss, f"final ({self.steps} steps; {steps} asked)"
         high_steps, high_dir = above[0]
         if not below:
-            return _eval_loss(high_dir), f"first checkpoint ({high_steps} steps; {steps} asked)"
+            return _kept_loss(high_dir), f"first checkpoint ({high_steps} steps; {steps} asked)"
         low_steps, low_dir = below[-1]
-        low, high = _eval_loss(low_dir), _eval_loss(high_dir)
+        low, high = _kept_loss(low_dir), _kept_loss(high_dir)
         share = (steps - low_steps) / (high_steps - low_steps)
         return low + share * (high - low), f"between checkpoints at {low_steps} and {high_steps} steps"
+
+    def tail(self, checkpoints: int) -> list[tuple[int, float]]:
+        """(steps, eval loss) of this run's last `checkpoints` kept checkpoints: the end of its
+        curve. One final point moves by a few percent from one checkpoint to the next (merges
+        land unevenly on the fragments), so runs are compared on the mean of several."""
+        if not self.curve:
+            raise ValueError("no curve: run with keep_curve=True")
+        # The last ones written (their names are their sequence numbers), not the most steps: a
+        # learner restarted from an older save makes the steps go back for a while.
+        last = sorted(self.curve, key=lambda point: point[1].name)[-checkpoints:]
+        return [(steps, _kept_loss(state_dir)) for steps, state_dir in last]
+
+    def compare_tail(self, reference: ChaosReport, checkpoints: int) -> tuple[float, float]:
+        """Mean eval loss of this run's last `checkpoints` checkpoints, and the reference run's
+        mean loss at the same steps (each interpolated on its curve): equal work, point by point."""
+        tail = self.tail(checkpoints)
+        mine = statistics.fmean(loss for _, loss in tail)
+        theirs = statistics.fmean(reference.loss_at_steps(steps)[0] for steps, _ in tail)
+        return mine, theirs
 
     def summary(self) -> dict[str, Any]:
         return {

@@ -278,6 +278,8 @@ def test_killed_syncer_resumes_from_its_checkpoint(tmp_path: Path, entry_dir: Pa
         (known,) = syncer_status(second.port)["learners"]
         assert known["id"] == "m" and not known["connected"]
         assert known["tracked_s"] > known["useful_s"] > 0
+        # Its own step counter too (reports received count from 0 in each incarnation).
+        assert 0 < known["step"] <= 10 and known["steps"] == 0
         versions = run(train(second.port, 6))
         assert sum(versions) > sum(second.info["versions"]), "training carried on after the restart"
     finally:

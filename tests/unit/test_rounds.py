@@ -439,6 +439,26 @@ def test_goodput_is_reported_step_time_over_wall_time_since_the_first_join() -> 
     assert restarted.learners["a"].useful_s == 80.0
 
 
+def test_the_learners_own_step_is_kept_and_outlives_a_restart_of_the_syncer() -> None:
+    """`steps` counts the reports this syncer received; `local_step` is the learner's counter as it
+    last reported it, which goes back when the learner restarts from an older save and is carried
+    over a restart of the syncer (the chaos benchmark's step axis)."""
+    rounds = Rounds(RoundConfig(fragments=2, sync_every=2))
+    rounds.join("a", 0.0)
+    rounds.step("a", 10, 0.5, 1.0, local_step=41)
+    rounds.step("a", 10, 0.5, 2.0, local_step=42)
+    rounds.step("a", 10, 0.5, 3.0)  # a report without a step leaves the last one
+    assert (rounds.learners["a"].steps, rounds.learners["a"].local_step) == (3, 42)
+    rounds.leave("a", 4.0)
+    rounds.join("a", 5.0)
+    rounds.step("a", 10, 0.5, 6.0, local_step=30)  # restarted from a save 12 steps older
+    assert rounds.learners["a"].local_step == 30
+
+    restarted = Rounds(RoundConfig(fragments=2, sync_every=2))
+    restarted.restore_learner("a", tracked_s=10.0, useful_s=5.0, now=5.0, local_step=30)
+    assert restarted.learners["a"].local_step == 30 and restarted.learners["a"].steps == 0
+
+
 def test_a_learner_refused_as_stale_is_no_longer_waited_for() -> None:
     """A push refused at its header for a stale base is the last this round hears from its
     learner: the round merges the others' pushes without waiting out its grace for it, and a

@@ -28,9 +28,10 @@ stdlib's sources), same number of training tokens; the number compared is the ev
   with --outer-lr 1 --outer-momentum 0 (the merged outer gradient applied as it is: averaging, no
   momentum), **solo** one learner's batch (16) alone for --steps steps, 1/M of the tokens (what the
   M learners would reach without any merging).
-- Sweep rows (only with --only), named by what they change from c: **c-lr<η>**, **-m<μ>** and
-  **-kl** in that order, e.g. `c-lr1-m0.5-kl` is c with --outer-lr 1 --outer-momentum 0.5 and every
-  learner --apply keep-local.
+- Sweep rows (only with --only): c or f, then what they change, in this order: **-lr<η>**,
+  **-m<μ>**, **-g<gamma>**, **-kl**. E.g. `c-lr1-m0.5-g1-kl` is c with --outer-lr 1
+  --outer-momentum 0.5 --grace-factor 1 and every learner --apply keep-local; `f-lr0.5-m0.8` is f
+  (one learner killed twice) with --outer-lr 0.5 --outer-momentum 0.8.
 
 Usage: python bench/convergence.py [--steps 300] [--learners 4] [--only a,c,d] [--json]
        [--out bench/results/convergence.json]
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -133,7 +135,9 @@ VARIANTS = {
     )
 }
 DEFAULT_ONLY = "a,b,c,d,e,f,g,h"
-SWEEP_KEY = re.compile(r"c(?:-lr(?P<lr>\d+(?:\.\d+)?))?(?:-m(?P<mom>\d+(?:\.\d+)?))?(?P<kl>-kl)?")
+SWEEP_KEY = re.compile(
+    r"(?P<base>[cf])(?:-lr(?P<lr>\d+(?:\.\d+)?))?(?:-m(?P<mom>\d+(?:\.\d+)?))?(?:-g(?P<grace>\d+(?:\.\d+)?))?(?P<kl>-kl)?"
+)
 
 
 def variant_for(key: str) -> Variant | None:
@@ -153,11 +157,17 @@ def variant_for(key: str) -> Variant | None:
             return None
         syncer_args += ["--outer-momentum", match["mom"]]
         changes.append(f"--outer-momentum {match['mom']}")
+    if match["grace"] is not None:
+        syncer_args += ["--grace-factor", match["grace"]]
+        changes.append(f"--grace-factor {match['grace']}")
     learner_args = ("--apply", "keep-local") if match["kl"] else ()
     if learner_args:
         changes.append("--apply keep-local")
-    label = f"c with {' '.join(changes)}"
-    return Variant(key, label, syncer_args=tuple(syncer_args), learner_args=learner_args)
+    base = VARIANTS[match["base"]]
+    label = f"{match['base']} with {' '.join(changes)}"
+    return dataclasses.replace(
+        base, key=key, label=label, syncer_args=tuple(syncer_args), learner_args=learner_args
+    )
 
 
 Say = Callable[[str], None]

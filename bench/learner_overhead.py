@@ -35,8 +35,9 @@ since the syncer here shares the two cores with the learner, which it never does
 - pinned: the learner process (training, network and push threads, and its network process,
   which inherits the affinity) on CPU 0, the syncer on CPU 1; the alone process on CPU 0;
 - split: the learner's training thread on CPU 0, its other threads with the syncer on CPU 1 (the
-  shape of a learner host with cores to spare); the alone process on CPU 0. The network process
-  is started from the training thread after it is pinned, so it runs on CPU 0 here too.
+  shape of a learner host with cores to spare); the alone process on CPU 0. The learner starts on
+  CPU 1 and its training thread moves itself to CPU 0 at its first step, after the network process
+  was started: that process inherits CPU 1.
 
 It measures and records; it asserts nothing. Run from the repository root:
 ``python bench/learner_overhead.py [--steps 300] [--params 2500000] [--json FILE]``.

@@ -169,7 +169,7 @@ class _Link:
                 turn = repeat % len(codecs)
                 for name in codecs[turn:] + codecs[:turn]:
                     samples[name].append(await self._timed(session, raw, ceilings, name))
-            rows = [self._row(name, len(session.data), samples[name]) for name in codecs]
+            rows = [self._row(name, len(session.data), samples[name], samples.get("none")) for name in codecs]
         finally:
             raw.close()
             await session.close("bench done")
@@ -209,16 +209,27 @@ class _Link:
         gbps = self.data_gbps(time.perf_counter() - start)
         return gbps, gbps / ceiling, len(self.data) / max(wire_bytes(session) - wire_before, 1)
 
-    def _row(self, name: str, streams: int, samples: list[tuple[float, float, float]]) -> dict[str, Any]:
-        """The medians of one codec's repeats at one stream count, as a JSON row."""
+    def _row(
+        self,
+        name: str,
+        streams: int,
+        samples: list[tuple[float, float, float]],
+        uncompressed: list[tuple[float, float, float]] | None,
+    ) -> dict[str, Any]:
+        """The medians of one codec's repeats at one stream count, as a JSON row. With the
+        uncompressed row's samples, also the median of this codec's rate over uncompressed's in
+        the same repeat: side by side, as the raw ratio is."""
         rates, to_raw, ratios = zip(*samples, strict=True)
-        row = {
+        row: dict[str, Any] = {
             "codec": name,
             "streams": streams,
             "gbps": round(statistics.median(rates), 3),
             "ratio_to_raw": round(statistics.median(to_raw), 3),
             "compression_ratio": round(statistics.median(ratios), 4),
         }
+        if uncompressed is not None:
+            paired = [mine[0] / theirs[0] for mine, theirs in zip(samples, uncompressed, strict=True)]
+            row["ratio_to_none"] = round(statistics.median(paired), 3)
         if name == "auto" and self.auto is not None:
             row["chosen"] = self.auto.codec
         self.progress.advance(f"{name} x{streams}: {row['gbps']:.2f} Gbps, {row['ratio_to_raw']:.2f}x raw")

@@ -7,7 +7,7 @@ The JSON document: {"links": [link, ...]}, one link per measured path, each with
     runs: [{codec, streams, gbps, ratio_to_raw, compression_ratio}],
     recommendation: {streams, codec, chunk_bytes}
 and more fields that say how it was measured (target, raw per stream count, round trip, codec
-figures, TCP settings, warnings).
+figures, TCP settings, warnings; each run's ratio_to_none when uncompressed was measured beside it).
 """
 
 from __future__ import annotations
@@ -76,13 +76,17 @@ def format_link(link: dict[str, Any]) -> str:
         size = link.get("size_bytes", 0) / 2**20
         what = f"{size:.0f} MiB {link.get('data', '')}"
         lines.append(f"  round trip (push then update) of {what}: {link['round_trip_ms']:.0f} ms")
-    lines.append(f"  {'streams':>7} {'codec':>10} {'Gbps':>7} {'x raw':>6} {'x gloo':>6} {'compression':>11}")
+    lines.append(
+        f"  {'streams':>7} {'codec':>10} {'Gbps':>7} {'x raw':>6} {'x none':>6} {'x gloo':>6}"
+        f" {'compression':>11}"
+    )
     for run in link["runs"]:
         codec = run["codec"] if run["codec"] != "auto" else f"auto:{run.get('chosen', '?')}"
         vs_gloo = f"{run['gbps'] / link['gloo_gbps']:6.2f}" if link["gloo_gbps"] else f"{'-':>6}"
+        vs_none = f"{run['ratio_to_none']:6.2f}" if "ratio_to_none" in run else f"{'-':>6}"
         lines.append(
-            f"  {run['streams']:>7} {codec:>10} {run['gbps']:>7.2f} {run['ratio_to_raw']:>6.2f} {vs_gloo} "
-            f"{run['compression_ratio']:>10.3f}x"
+            f"  {run['streams']:>7} {codec:>10} {run['gbps']:>7.2f} {run['ratio_to_raw']:>6.2f} {vs_none} "
+            f"{vs_gloo} {run['compression_ratio']:>10.3f}x"
         )
     rec = link["recommendation"]
     chunk = f"{rec['chunk_bytes'] / 2**20:g} MiB"

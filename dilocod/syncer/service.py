@@ -350,7 +350,8 @@ class SyncerService:
         elif isinstance(item, FragmentReceived):
             self._on_push(peer, item)
         elif isinstance(item, StatusRequest):
-            peer.session.control.send(StatusResponse(self.status()))
+            if peer.session.is_open:  # a request read before its connection closed gets no answer
+                peer.session.control.send(StatusResponse(self.status()))
         elif isinstance(item, Join):
             peer.session.control.abort(ErrorCode.NOT_JOINED, "a second JOIN on one session")
 

@@ -141,7 +141,10 @@ class Session:
 
     @property
     def is_open(self) -> bool:
-        return not self.closed.is_set()
+        # The control connection closes (a protocol error it detected, a deadline's abort) before
+        # its transport reports the loss that finishes the session: between the two, nothing may
+        # be sent on it, and the session is as good as closed.
+        return not self.closed.is_set() and self.control.is_open
 
     def round_trip_s(self) -> float | None:
         """The kernel's lowest round-trip time among this session's open connections (TCP_INFO),
@@ -573,3 +576,5 @@ class Session:
     def _check_open(self) -> None:
         if self.closed.is_set():
             raise SessionClosed(self.close_reason or "session closed", self.close_code)
+        if not self.control.is_open:
+            raise SessionClosed("control connection closing", self.close_code)

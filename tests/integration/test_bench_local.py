@@ -64,13 +64,15 @@ def test_a_shaped_link_is_measured_and_everything_is_removed(tmp_path: Path) -> 
         (codec, streams) for codec in ("none", "zstd", "auto") for streams in (1, 2)
     }
     for run in link["runs"]:
-        assert run["gbps"] > 0 and run["ratio_to_raw"] > 0
+        assert run["gbps"] > 0 and run["ratio_to_raw"] > 0 and run["ratio_to_none"] > 0
+        if run["codec"] == "none":
+            assert run["ratio_to_none"] == 1.0  # itself, repeat by repeat
     zstd = [r["compression_ratio"] for r in link["runs"] if r["codec"] == "zstd"]
     assert min(zstd) > 1.1  # bf16 gradient-shaped data compresses; random bytes would not
     assert link["recommendation"]["streams"] in (1, 2)
     assert link["recommendation"]["codec"] in ("none", "lz4", "zstd")
     assert link["rtt_ms"] > 0 and link["round_trip_ms"] > 0
-    assert "link 2gbit" in stdout.decode()  # the table for a person (the JSON went to the file)
+    assert "link 2gbit" in stdout.decode() and "x none" in stdout.decode()  # the table for a person
 
 
 def test_namespaces_are_removed_when_the_client_fails() -> None:

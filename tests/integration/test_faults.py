@@ -22,7 +22,7 @@ import zstandard
 from dilocod.transport import endpoints
 from dilocod.transport.credentials import client_context, server_context
 from dilocod.transport.endpoints import connect
-from dilocod.transport.errors import HandshakeFailed
+from dilocod.transport.errors import HandshakeFailed, SessionClosed
 from dilocod.transport.loop import run
 from dilocod.transport.protocol import FrameProtocol
 from dilocod.transport.session import Session
@@ -49,6 +49,7 @@ from dilocod.wire.messages import (
     Hello,
     StatusRequest,
     StatusResponse,
+    StepReport,
     StreamReset,
     encode_body,
 )
@@ -167,6 +168,31 @@ def test_every_data_connection_killed_mid_push_falls_back_to_control(
 
     arun(main())
     assert handler.delivered == [fragments.get(PUSH_BYTES).digest]
+
+
+def test_a_session_is_closed_once_its_control_connection_closes(arun: Arun) -> None:
+    """The control connection closes (here: it gives up on the peer, as on bad input or a deadline)
+    a turn of the event loop before its transport reports the loss that finishes the session. In
+    between the session is not open and sending on it is SessionClosed, the error every caller
+    handles, not the core's LocalProtocolError (which once escaped a learner's step report and
+    killed its network process under the chaos suite)."""
+
+    async def main() -> None:
+        async with in_process_server(EchoHandler(), options=SMALL_BUFFERS) as (_, port):
+            session = await connect("127.0.0.1", port, peer_id="closing", streams=1, options=SMALL_BUFFERS)
+            try:
+                assert session.is_open
+                session.control.abort(ErrorCode.TIMEOUT, "test: the peer is given up on")
+                assert not session.closed.is_set()  # the loss is not reported yet
+                assert not session.is_open
+                with pytest.raises(SessionClosed):
+                    await session.send(StepReport(1, 1, 0.1))
+                async with asyncio.timeout(REPLY_TIMEOUT_S):
+                    await session.closed.wait()
+            finally:
+                await session.close("done")
+
+    arun(main())
 
 
 @pytest.mark.parametrize("codec", ["none", "zstd"])

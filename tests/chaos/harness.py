@@ -1033,8 +1033,8 @@ class ChaosReport:
 
     def tail(self, checkpoints: int) -> list[tuple[int, float]]:
         """(steps, eval loss) of this run's last `checkpoints` kept checkpoints: the end of its
-        curve. One final point moves by a few percent from one checkpoint to the next (merges
-        land unevenly on the fragments), so runs are compared on the mean of several."""
+        curve. The loss moves by up to a few percent between two checkpoints 5 s apart
+        (bench/RESULTS.md §8), so runs are compared on the mean of several."""
         if not self.curve:
             raise ValueError("no curve: run with keep_curve=True")
         # The last ones written (their names are their sequence numbers), not the most steps: a

@@ -43,10 +43,7 @@ DEFAULT_OUT = ROOT / "bench" / "results" / "chaos.json"
 # The harness lives with the chaos tests (tests/chaos/), which import it as a package.
 sys.path.insert(0, str(ROOT))
 
-from tests.chaos.harness import SURVIVOR, ChaosPlan, ChaosReport, ChaosRun  # noqa: E402
-
-#: The last 30 s of a run at one checkpoint every 5 s.
-TAIL_CHECKPOINTS = 6
+from tests.chaos.harness import SURVIVOR, TAIL_CHECKPOINTS, ChaosPlan, ChaosReport, ChaosRun  # noqa: E402
 
 
 def row(report: ChaosReport) -> dict[str, Any]:

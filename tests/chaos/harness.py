@@ -78,6 +78,9 @@ PROGRESS_GAP_S = 6.0
 FRAGMENT_STALL_S = 20.0
 #: Where a run keeps a copy of every checkpoint its syncer writes (the syncer keeps the newest 3).
 CURVE_DIR = "curve"
+#: Checkpoints at the end of a run whose mean loss is compared (ChaosReport.compare_tail): the
+#: last 30 s at one checkpoint every 5 s.
+TAIL_CHECKPOINTS = 6
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import pytest
 
-from .harness import LEARNERS, SURVIVOR, ChaosPlan, ChaosReport, ChaosRun
+from .harness import LEARNERS, SURVIVOR, TAIL_CHECKPOINTS, ChaosPlan, ChaosReport, ChaosRun
 
 DURATION_S = 150.0
 #: Both runs happen in the first test that needs them: far above their ~3 min each.
@@ -56,8 +56,6 @@ MIN_FAULTS = 100
 #: The chaos run's eval loss against the fault-free run's at equal steps, mean of the last
 #: TAIL_CHECKPOINTS against mean (target 1.03; see the module docstring).
 EQUAL_STEPS_BOUND = 1.05
-#: Checkpoints at the end of each run whose mean loss is compared: the last 30 s.
-TAIL_CHECKPOINTS = 6
 MiB = 2**20
 
 pytestmark = pytest.mark.timeout(TIMEOUT_S)

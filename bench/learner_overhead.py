@@ -2,9 +2,10 @@
 
 The model is a small byte-level GPT built by an entry module written into a temporary directory
 (4 blocks, 4 heads, width chosen from --params, untied head, float32, fixed seed: 53 parameter
-tensors), trained with AdamW on 2 sequences of 32 tokens of a fixed synthetic byte stream per
-step, with --torch-threads intra-op threads. The same entry's Trainer.step is run alone and under
-dilocod, each in its own child process:
+tensors), trained with AdamW on --batches sequences of 32 tokens of a fixed synthetic byte stream
+per step (2 by default; each batch size in the list is measured in turn, so the same per-step work
+of the runtime is seen against steps of different lengths), with --torch-threads intra-op threads.
+The same entry's Trainer.step is run alone and under dilocod, each in its own child process:
 
 - alone: a plain loop calling trainer.step(i), no dilocod runtime (the entry is imported and its
   factory called with role "learner"; nothing else of dilocod runs);
@@ -72,7 +73,7 @@ DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "learner_overhead.j
 ENTRY_MODULE = "learner_overhead_entry"
 ENTRY = f"{ENTRY_MODULE}:make_trainer"
 SYNCER_FLAGS = ("--fragments", "24", "--sync-every", "24", "--overlap", "2")
-LAYERS, VOCAB, SEQ, BATCH = 4, 256, 32, 2
+LAYERS, VOCAB, SEQ = 4, 256, 32
 READY_TIMEOUT_S = 120.0
 RUN_TIMEOUT_S = 600.0
 
@@ -392,7 +393,7 @@ def measure_placement(
         pair: dict[str, Any] = {}
         # Each rep rotates the order, so no kind always runs first (or right after another).
         for kind in kinds[rep % len(kinds) :] + kinds[: rep % len(kinds)]:
-            times_path = work / f"{name}-{rep}-{kind}.json"
+            times_path = work / f"{name}-{config['batch']}-{rep}-{kind}.json"
             run_config = {**config, "times": str(times_path)}
             if kind == "alone":
                 run_config.pop("pin_main_thread", None)
@@ -412,9 +413,11 @@ def measure_placement(
             f"{pair[kind]['summary']['rounds_merged']} rounds)"
             for kind in kinds[1:]
         )
-        print(f"{name} pair {rep}: alone {a['median_ms']:.2f} ms, {line}", file=sys.stderr)
+        head = f"{name} batch {config['batch']} pair {rep}: alone {a['median_ms']:.2f} ms"
+        print(f"{head}, {line}", file=sys.stderr)
         pairs.append(pair)
-    return aggregate(name, pairs, kinds)
+    shape = {"batch": config["batch"], "tokens_per_step": config["batch"] * SEQ}
+    return shape | aggregate(name, pairs, kinds)
 
 
 def aggregate(name: str, pairs: list[dict[str, Any]], kinds: list[str]) -> dict[str, Any]:
@@ -464,6 +467,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=2_500_000,
         help="model size: the width is chosen to match (default 2.5M)",
     )
+    parser.add_argument(
+        "--batches",
+        default="2",
+        help="comma-separated sequences of 32 tokens per step, each measured in turn (default 2)",
+    )
     parser.add_argument("--reps", type=int, default=2, help="alone/dilocod pairs per placement (default 2)")
     parser.add_argument(
         "--placements",
@@ -482,6 +490,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.placements = [p.strip() for p in args.placements.split(",") if p.strip()]
     args.networks = [n.strip() for n in args.networks.split(",") if n.strip()]
+    try:
+        args.batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    except ValueError:
+        parser.error(f"--batches takes whole numbers, not {args.batches!r}")
+    if not args.batches or min(args.batches) < 1:
+        parser.error("--batches takes one or more sizes of at least 1")
     if not args.networks or set(args.networks) - {"process", "thread"}:
         parser.error("--networks takes process, thread or both")
     unknown = set(args.placements) - {"shared", "pinned", "split"}
@@ -500,7 +514,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "layers": LAYERS,
         "vocab": VOCAB,
         "seq": SEQ,
-        "batch": BATCH,
         "warmup": args.warmup,
         "steps": args.steps,
         "torch_threads": args.torch_threads,
@@ -514,8 +527,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         entry_dir = work / "entry"
         entry_dir.mkdir()
         (entry_dir / f"{ENTRY_MODULE}.py").write_text(ENTRY_SOURCE)
-        for name in args.placements:
-            results.append(measure_placement(name, args, entry_dir, work, base))
+        for batch in args.batches:
+            for name in args.placements:
+                results.append(measure_placement(name, args, entry_dir, work, {**base, "batch": batch}))
     machine["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     record = {
         "command": shlex.join(["python", "bench/learner_overhead.py", *(argv or sys.argv[1:])]),
@@ -523,7 +537,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "model": f"byte-level GPT, {LAYERS} blocks, width {width}, 4 heads, untied head",
             "parameters": param_count(width),
             "parameter_tensors": 12 * LAYERS + 5,
-            "tokens_per_step": BATCH * SEQ,
+            "tokens_per_step": [batch * SEQ for batch in args.batches],
             "optimizer": "AdamW lr 1e-3",
             "torch_threads": args.torch_threads,
             "warmup_steps": args.warmup,
@@ -543,7 +557,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for kind in (k for k in r if k.startswith("dilocod-")):
             d = r[kind]
             print(
-                f"{r['placement']:>6}: alone median {a['median_ms']:.2f} ms p90 {a['p90_ms']:.2f} ms | "
+                f"{r['placement']:>6} batch {r['batch']}: "
+                f"alone median {a['median_ms']:.2f} ms p90 {a['p90_ms']:.2f} ms | "
                 f"{kind} median {d['median_ms']:.2f} ms p90 {d['p90_ms']:.2f} ms | "
                 f"overhead {r[f'overhead_median_{kind}']:+.2%} | rounds merged {d['rounds_merged']}"
             )

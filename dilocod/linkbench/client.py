@@ -47,6 +47,10 @@ GLOO_TIMEOUT_S = 120.0
 STREAMS_TOLERANCE = 0.03
 #: Test data kinds: what a learner sends (outer gradients in bf16 or fp32) or incompressible bytes.
 DATA_KINDS = ("bf16", "fp32", "random")
+#: Every timed transfer (raw, push, gloo broadcast) starts after the link has been idle this long:
+#: a shaper's token bucket (2 ms of the rate in `bench local`) is then full for each of them alike,
+#: instead of fuller for whichever followed a pause (a full bucket is 0.4 % of a 256 MiB transfer).
+QUIET_START_S = 0.01
 
 
 class Progress(Protocol):
@@ -201,9 +205,11 @@ class _Link:
             if self.checksums is None:
                 self.checksums = chunk_checksums(self.data, self.plan.chunk_bytes)
             checksums = self.checksums
+        await asyncio.sleep(QUIET_START_S)
         ceiling = self.data_gbps(raw.send(view))
         ceilings.append(ceiling)
         wire_before = wire_bytes(session)
+        await asyncio.sleep(QUIET_START_S)
         start = time.perf_counter()
         await session.send_fragment(header, self.data, shuffle_item_size=shuffle, checksums=checksums)
         gbps = self.data_gbps(time.perf_counter() - start)
@@ -278,6 +284,7 @@ class _Link:
             env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
             command = [sys.executable, "-m", "dilocod.linkbench.gloo", "--rank", "0", "--master"]
             command += [f"{local}:{port}", "--size", str(len(self.data)), "--repeats", str(GLOO_REPEATS)]
+            command += ["--quiet-start", str(QUIET_START_S)]
             rank0 = await asyncio.create_subprocess_exec(*command, stdout=subprocess.PIPE, env=env)
             try:
                 request = json.dumps(

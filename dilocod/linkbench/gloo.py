@@ -52,9 +52,12 @@ def interface_for(ip: str) -> str | None:
     return None
 
 
-def broadcast(rank: int, master: str, size_bytes: int, repeats: int) -> list[float]:
+def broadcast(
+    rank: int, master: str, size_bytes: int, repeats: int, quiet_start_s: float = 0.0
+) -> list[float]:
     """Join the two-rank group and time `repeats` broadcasts of size_bytes from rank 0; seconds
-    each, from a barrier before to a barrier after (so the time ends when rank 1 holds the bytes)."""
+    each, from a barrier before to a barrier after (so the time ends when rank 1 holds the bytes).
+    Each starts after quiet_start_s of an idle link, as the bench's other timed transfers do."""
     import torch  # noqa: PLC0415
     import torch.distributed as dist  # noqa: PLC0415
 
@@ -73,6 +76,7 @@ def broadcast(rank: int, master: str, size_bytes: int, repeats: int) -> list[flo
         dist.broadcast(tensor, 0)  # warm-up: connections, buffers
         times = []
         for _ in range(repeats):
+            time.sleep(quiet_start_s)  # rank 0 (the one timing); rank 1 waits in the barrier meanwhile
             dist.barrier()
             start = time.perf_counter()
             dist.broadcast(tensor, 0)
@@ -89,8 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--master", required=True, help="HOST:PORT of rank 0's rendezvous")
     parser.add_argument("--size", type=int, required=True, help="bytes per broadcast")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quiet-start", type=float, default=0.0, help="idle seconds before each broadcast")
     args = parser.parse_args(argv)
-    times = broadcast(args.rank, args.master, args.size, args.repeats)
+    times = broadcast(args.rank, args.master, args.size, args.repeats, args.quiet_start)
     if args.rank == 0:
         gbps = [args.size // 4 * 4 * 8 / t / 1e9 for t in times]
         print(json.dumps({"gbps": statistics.median(gbps), "runs": gbps}))

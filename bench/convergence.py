@@ -7,10 +7,19 @@ stdlib's sources), same number of training tokens; the number compared is the ev
 - **a** data-parallel: ONE process, no dilocod, batch M x 16 on the unsharded training set
   (TrainConfig(batch_size=16 * M, shards=1)), --steps steps: M x steps x 16 x 128 tokens.
 - Everything else runs `python -m dilocod syncer` and M x `python -m dilocod learner` as real
-  processes on loopback (OMP_NUM_THREADS=1, learner m gets --seed m and so reads shard m), each
-  learner with --steps steps (same tokens as a). The loss is that of the syncer's global model:
-  the learners finish, the syncer is sent SIGTERM (it checkpoints), and the newest checkpoint is
-  loaded into a charlm model and evaluated.
+  processes on loopback (OMP_NUM_THREADS=1, learner m gets --seed m and so reads shard m) until
+  they have trained as many tokens as a. How that budget is spent (--budget):
+  - **fleet** (the default): the learners together train M x --steps steps. All of them train on
+    until their steps add up to that, then all are sent SIGTERM at once (each finishes its step,
+    saves and leaves); the steps actually trained are recorded (a little past the budget: the
+    learners report their steps every 0.5 s). A learner that lost time (a kill, a slow host)
+    trains fewer steps and the others more, as in a run that does not end.
+  - **learner**: each learner runs exactly --steps steps (`dilocod learner --steps`). A learner
+    that lost time then finishes last and trains alone for a while at the end, and with K = 1 the
+    global model follows that one learner's iterate: in f that lone tail cost 5 % of eval loss in
+    10 s (bench/RESULTS.md §7).
+  The loss is that of the syncer's global model: the learners stop, the syncer is sent SIGTERM (it
+  checkpoints), and the newest checkpoint is loaded into a charlm model and evaluated.
   - **b** lock-step DiLoCo: --quorum M --overlap 0 (every round waits for all M, no overlap).
   - **c** Decoupled DiLoCo: the syncer's defaults (P = H = 24, tau = 2, K = 1, RDA merge).
   - **d** c with --merge mean.
@@ -33,8 +42,8 @@ stdlib's sources), same number of training tokens; the number compared is the ev
   --outer-momentum 0.5 --grace-factor 1 and every learner --apply keep-local; `f-lr0.5-m0.8` is f
   (one learner killed twice) with --outer-lr 0.5 --outer-momentum 0.8.
 
-Usage: python bench/convergence.py [--steps 300] [--learners 4] [--only a,c,d] [--json]
-       [--out bench/results/convergence.json]
+Usage: python bench/convergence.py [--steps 300] [--learners 4] [--only a,c,d] [--budget fleet|learner]
+       [--json] [--out bench/results/convergence.json]
 Writes the results as JSON to --out (merged by key into an existing file) and prints a table.
 A benchmark: it measures and records, it asserts nothing.
 """
@@ -62,12 +71,18 @@ import torch
 
 from dilocod.contract import LearnerContext
 from dilocod.examples.charlm import CharLM, CharLMConfig, TrainConfig, build_trainer, evaluate, load_held_out
-from dilocod.ops.processes import read_ready_line, stop_process
+from dilocod.ops.processes import read_ready_line
 from dilocod.syncer.checkpoint import load_latest_checkpoint
 
 BATCH = 16  # charlm's default per-learner batch
 CONTEXT = CharLMConfig().context
 READY_TIMEOUT_S = 120.0
+#: How often the learners log their step (--progress-every-s), and so how far a fleet budget can be
+#: overshot: about this long at the fleet's step rate.
+PROGRESS_EVERY_S = 0.5
+#: The watcher's pacing: how often it looks at the children's steps.
+WATCH_EVERY_S = 0.2
+BUDGETS = ("fleet", "learner")
 STOP_TIMEOUT_S = 60.0
 RUN_TIMEOUT_S = 3600.0
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "convergence.json"
@@ -182,15 +197,18 @@ class Daemon:
     env: dict[str, str]
     log_path: Path
     process: subprocess.Popen[bytes] | None = None
+    #: The step it last reported (after a restart, the step it resumed from and on).
     step: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    follower: threading.Thread | None = None
 
     def start(self) -> None:
         self.process = subprocess.Popen(
             self.command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=self.env
         )
         assert self.process.stderr is not None
-        threading.Thread(target=self._follow, args=(self.process.stderr,), daemon=True).start()
+        self.follower = threading.Thread(target=self._follow, args=(self.process.stderr,), daemon=True)
+        self.follower.start()
 
     def _follow(self, stream: IO[bytes]) -> None:
         with self.log_path.open("ab") as copy:
@@ -200,13 +218,36 @@ class Daemon:
                     record = json.loads(raw)
                     if isinstance(record, dict) and isinstance(record.get("step"), int):
                         with self.lock:
-                            self.step = max(self.step, record["step"])
+                            self.step = record["step"]
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def send_signal(self, sig: int) -> None:
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(sig)
+
     def stop(self, sig: int = signal.SIGTERM) -> int | None:
-        return None if self.process is None else stop_process(self.process, sig, STOP_TIMEOUT_S)
+        """Stop it (if it still runs) and read its log to the end."""
+        if self.process is None:
+            return None
+        self.send_signal(sig)
+        return self.wait()
+
+    def wait(self) -> int | None:
+        """Wait for it to exit (killed if it takes longer than STOP_TIMEOUT_S) and read its log to
+        the end; its exit status."""
+        if self.process is None:
+            return None
+        try:
+            code = self.process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait()
+        if self.follower is not None:
+            self.follower.join(timeout=STOP_TIMEOUT_S)  # its last lines: the step it stopped at
+        return code
 
     def ready_line(self) -> dict[str, Any]:
         assert self.process is not None
@@ -245,7 +286,13 @@ def run_data_parallel(variant: Variant, steps: int, learners: int, held_out: tor
 
 
 def run_daemons(
-    variant: Variant, steps: int, learners: int, held_out: torch.Tensor, work: Path, say: Say
+    variant: Variant,
+    steps: int,
+    learners: int,
+    held_out: torch.Tensor,
+    work: Path,
+    say: Say,
+    budget: str = "fleet",
 ) -> dict[str, Any]:
     work.mkdir(parents=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -301,9 +348,10 @@ def run_daemons(
                         "--state-dir",
                         str(work / f"learner-{m}"),
                         "--steps",
-                        str(steps),
+                        # Under a fleet budget no learner can train more than all of it.
+                        str(steps if budget == "learner" else steps * learners),
                         "--progress-every-s",
-                        "2",
+                        str(PROGRESS_EVERY_S),
                         *entry,
                         *save,
                         *variant.learner_args,
@@ -317,6 +365,7 @@ def run_daemons(
         for learner in fleet:
             learner.start()
         kills_done = 0
+        stopped_at_budget = False
         while any(learner.alive() for learner in fleet):
             if not syncer.alive():
                 raise RuntimeError(f"the syncer exited; see {syncer.log_path}")
@@ -331,16 +380,28 @@ def run_daemons(
                 time.sleep(2.0)  # the outage: the others train on meanwhile
                 victim.start()
                 kills_done += 1
+            if budget == "fleet" and not stopped_at_budget and sum(d.step for d in fleet) >= steps * learners:
+                stopped_at_budget = True
+                for learner in fleet:  # all at once: no learner trains on alone
+                    learner.send_signal(signal.SIGTERM)
+                for learner in fleet:
+                    learner.wait()
             # Pacing of this watcher only (it looks at the children), not a wait for an event.
-            time.sleep(0.5)
+            time.sleep(WATCH_EVERY_S)
+        for learner in fleet:
+            learner.wait()  # exited already: this reads its log to the end (the step it stopped at)
         codes = [learner.process.returncode for learner in fleet if learner.process is not None]
         wall_s = time.monotonic() - started
         if syncer.stop() != 0:
             raise RuntimeError(f"the syncer did not stop cleanly; see {syncer.log_path}")
         loss, _ = global_model_loss(work / "syncer", held_out)
+        trained = [d.step for d in fleet]
         return {
             "eval_loss": loss,
-            "tokens": learners * steps * BATCH * CONTEXT,
+            "budget": budget,
+            "tokens": sum(trained) * BATCH * CONTEXT,
+            "tokens_over_budget": round(sum(trained) / (steps * learners) - 1, 5),
+            "learner_steps": trained,
             "learner_exit_codes": codes,
             "learners_wall_s": round(wall_s, 1),
             "rounds_merged": count_rounds(syncer.log_path),
@@ -378,6 +439,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON file the results are merged into")
     parser.add_argument("--keep", type=Path, default=None, help="keep the daemons' logs and state here")
+    parser.add_argument(
+        "--budget",
+        choices=BUDGETS,
+        default="fleet",
+        help="fleet: the learners together train M x --steps steps, then all stop at once (default); "
+        "learner: each learner trains exactly --steps steps",
+    )
     args = parser.parse_args(argv)
     keys = [key.strip() for key in args.only.split(",") if key.strip()]
     unknown = [key for key in keys if variant_for(key) is None]
@@ -403,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
             if variant.data_parallel:
                 row = run_data_parallel(variant, args.steps, args.learners, held_out)
             else:
-                row = run_daemons(variant, args.steps, args.learners, held_out, root / key, say)
+                row = run_daemons(variant, args.steps, args.learners, held_out, root / key, say, args.budget)
             row.update(label=variant.label, wall_s=round(time.monotonic() - started, 1))
             results[key] = row
             say(f"  {key:<8} {variant.label:<52} eval loss {row['eval_loss']:.4f}  ({row['wall_s']:.0f} s)")

@@ -10,8 +10,9 @@ networking.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -53,12 +54,27 @@ class FragmentLayout:
     manifest: tuple[TensorEntry, ...]
     raw_bytes: int
     params: tuple[Tensor, ...]
+    #: Views onto whole shared-memory mappings, by the mapping's id. The network process's buffers
+    #: are mapped once and reused for every update and snapshot of a size, and at a step boundary
+    #: building a fragment's views (50-60 µs there) costs as much as copying its bytes. The views
+    #: hold the mapping, so its id cannot be reused while they are kept; a new plan makes new
+    #: layouts and so drops them.
+    _kept: dict[int, list[Tensor]] = field(default_factory=dict, compare=False, repr=False)
 
     def views(self, buffer: bytearray | memoryview) -> list[Tensor]:
-        """float32 views of this fragment's tensors onto a wire-layout buffer (sharing memory)."""
+        """float32 views of this fragment's tensors onto a wire-layout buffer (sharing memory).
+        For a buffer that is a whole mmap the same list comes back each time: read it, never
+        change the list itself."""
         if len(buffer) != self.raw_bytes:
             raise ValueError(f"fragment {self.index}: {len(buffer)} bytes, the layout has {self.raw_bytes}")
-        return tensor_views(buffer, self.manifest)
+        owner = buffer.obj if isinstance(buffer, memoryview) else None
+        # Only a view of the whole mapping: it starts at offset 0, as the kept views do.
+        if not isinstance(owner, mmap.mmap) or len(owner) != len(buffer) or not buffer.contiguous:
+            return tensor_views(buffer, self.manifest)
+        kept = self._kept.get(id(owner))
+        if kept is None:
+            kept = self._kept[id(owner)] = tensor_views(buffer, self.manifest)
+        return kept
 
 
 def layouts_for(plan: Plan, model: torch.nn.Module) -> list[FragmentLayout]:

@@ -18,9 +18,10 @@ Messages are small msgpack datagrams. Fragment bytes never go through a socket: 
 memory both processes map (memfd buffers, lent by the side that writes them, their descriptors
 passed once with SCM_RIGHTS, reused once the other side gives them back). The parent gives back an
 update's buffer one boundary after a newer update of that fragment was taken (so the runtime's
-anchor is never overwritten under it); the child copies a snapshot out and gives its buffer back
-at once. The child keeps its own copy of every update it delivered, the anchor its outer
-gradients are computed from (δ = anchor - θ, in the child's push worker).
+anchor is never overwritten under it), in that boundary's outbox (so a boundary sends one
+datagram); the child copies a snapshot out and gives its buffer back at once. The child keeps its
+own copy of every update it delivered, the anchor its outer gradients are computed from
+(δ = anchor - θ, in the child's push worker).
 
 The child ignores SIGINT and SIGTERM: it stops when the parent closes the data socket (after the
 training loop's last boundary) or dies, says goodbye to the syncer, and exits.
@@ -224,6 +225,9 @@ class ProcessBridge:
         self._fatal: str | None = None
         self._anchors: dict[int, int] = {}  # fragment -> buffer id the runtime may still read
         self._release_next: list[int] = []
+        #: The child's buffers to give back: they go with the boundary's outbox (one datagram, one
+        #: sendmsg per boundary instead of two; a sendmsg is 30 µs of the training thread's time).
+        self._releases: list[int] = []
         self._steps: list[StepReportItem] = []
         self._snapshots: list[Snapshot] = []
         self._lent_views: dict[int, tuple[int, memoryview]] = {}  # id(view) -> (buffer id, view)
@@ -240,7 +244,7 @@ class ProcessBridge:
             self._fatal,
         )
         self._plan = None
-        release = self._release_next
+        self._releases += self._release_next
         self._release_next = []
         for fragment in sorted(self._updates):
             adopt, bid = self._updates.pop(fragment)
@@ -250,9 +254,6 @@ class ProcessBridge:
                 # The runtime replaces its anchor at this boundary; give the old one back at the next.
                 self._release_next.append(previous)
             self._anchors[fragment] = bid
-        if release:
-            self.channel.queue({"k": "release", "ids": release})
-            self._send()
         return inbox
 
     def wait(self, timeout_s: float) -> None:
@@ -307,10 +308,11 @@ class ProcessBridge:
                     len(snapshot.theta),
                 ]
             )
-        if notes or self._steps:
+        if notes or self._steps or self._releases:
             steps = [[s.step, s.tokens, s.step_time_s] for s in self._steps]
             self._steps = []
-            self.channel.queue({"k": "outbox", "steps": steps, "snapshots": notes})
+            releases, self._releases = self._releases, []
+            self.channel.queue({"k": "outbox", "steps": steps, "snapshots": notes, "release": releases})
         self._send()
 
     # -- the socket
@@ -372,8 +374,8 @@ class ProcessBridge:
             self._fatal = control.fatal
 
     def _release_now(self, ids: list[int]) -> None:
-        if ids:
-            self.channel.queue({"k": "release", "ids": ids})
+        """Give these back with this boundary's outbox (flush)."""
+        self._releases += ids
 
     def _died(self, why: str) -> None:
         status = None if self.process is None else self.process.poll()
@@ -570,15 +572,14 @@ class ChildBridge(Bridge):
             _take_fds(message, fds, self._mapper)
             kind = message["k"]
             if kind == "outbox":
+                for bid in message["release"]:
+                    self._lender.give_back(int(bid))
                 for step, tokens, step_time_s in message["steps"]:
                     self.report_step(StepReportItem(int(step), int(tokens), float(step_time_s)), wake=False)
                 for fragment, round_, base, c_steps, c_tokens, bid, size in message["snapshots"]:
                     released.append(bid)
                     theta = self._mapper.view(int(bid), int(size))
                     self._snapshot(int(fragment), int(round_), int(base), int(c_steps), int(c_tokens), theta)
-            elif kind == "release":
-                for bid in message["ids"]:
-                    self._lender.give_back(int(bid))
             elif kind != "new":
                 log.error("unexpected message from the training process", kind=kind)
         if released:

@@ -297,7 +297,6 @@ def start_learner(
     port: int,
     learner_id: str,
     *args: str,
-    step_s: float = 0.0,
     credentials: tuple[str, ...] = ("--insecure",),
 ) -> DaemonProcess:
     """Start `dilocod learner` (no ready line: the tests wait on its log records)."""

@@ -251,13 +251,14 @@ def test_int4_outer_gradients_travel_and_train(tmp_path: Path, entry_dir: Path) 
                 entry_dir,
                 syncer.port,
                 f"q{i}",
+                # Long enough for 20 merged rounds however the two starts interleave (300 steps
+                # merged 17 in one run of seven).
                 "--steps",
-                "300",
+                "600",
                 "--seed",
                 str(i),
                 "--precision",
                 "int4",
-                step_s=0.003,
             )
             for i in range(2)
         ]

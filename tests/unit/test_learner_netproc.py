@@ -113,9 +113,11 @@ def pair() -> Iterator[tuple[ProcessBridge, _Child]]:
 
 
 def _take_until(parent: ProcessBridge, predicate) -> object:  # type: ignore[no-untyped-def]
+    """Step boundaries (take, then flush, as the runtime does) until predicate(inbox) holds."""
     for _ in range(100):
         parent.wait(DEADLINE_S / 100)
         inbox = parent.take()
+        parent.flush()  # what the boundary gives back goes with its outbox
         if predicate(inbox):
             return inbox
     raise AssertionError("the child's messages did not arrive in time")

@@ -71,7 +71,7 @@ import torch
 
 from dilocod.contract import LearnerContext
 from dilocod.examples.charlm import CharLM, CharLMConfig, TrainConfig, build_trainer, evaluate, load_held_out
-from dilocod.ops.processes import read_ready_line
+from dilocod.ops.processes import read_ready_line, stop_process
 from dilocod.syncer.checkpoint import load_latest_checkpoint
 
 BATCH = 16  # charlm's default per-learner batch
@@ -229,25 +229,19 @@ class Daemon:
                 self.process.send_signal(sig)
 
     def stop(self, sig: int = signal.SIGTERM) -> int | None:
-        """Stop it (if it still runs) and read its log to the end."""
+        """Send sig if it still runs, wait for it to exit (killed after STOP_TIMEOUT_S) and read
+        its log to the end; its exit status."""
         if self.process is None:
             return None
-        self.send_signal(sig)
-        return self.wait()
-
-    def wait(self) -> int | None:
-        """Wait for it to exit (killed if it takes longer than STOP_TIMEOUT_S) and read its log to
-        the end; its exit status."""
-        if self.process is None:
-            return None
-        try:
-            code = self.process.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            code = self.process.wait()
+        code = stop_process(self.process, sig, STOP_TIMEOUT_S)
         if self.follower is not None:
             self.follower.join(timeout=STOP_TIMEOUT_S)  # its last lines: the step it stopped at
         return code
+
+    def wait(self) -> int | None:
+        """stop() without a signal, for a process already told to stop (a second SIGTERM would end
+        a learner that is saving its state) or already gone."""
+        return self.stop(0)  # signal 0 delivers nothing
 
     def ready_line(self) -> dict[str, Any]:
         assert self.process is not None

@@ -250,6 +250,8 @@ def children_on(cpus: set[int] | None) -> Iterator[None]:
 
 
 def child_env(entry_dir: Path) -> dict[str, str]:
+    # The children also run in entry_dir: `python -m` and `-c` put the working directory first on
+    # sys.path, and a stray copy of the entry there would be imported instead of this one.
     paths = [str(entry_dir), str(ROOT), os.environ.get("PYTHONPATH", "")]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
 
@@ -262,7 +264,9 @@ def run_alone(entry_dir: Path, config: dict[str, Any], cpus: set[int] | None) ->
     write_config(entry_dir, config)
     command = [sys.executable, "-c", f"import {ENTRY_MODULE} as e; e.alone()"]
     with children_on(cpus):
-        process = subprocess.Popen(command, env=child_env(entry_dir), stdout=subprocess.DEVNULL)
+        process = subprocess.Popen(
+            command, env=child_env(entry_dir), stdout=subprocess.DEVNULL, cwd=entry_dir
+        )
     if process.wait(timeout=RUN_TIMEOUT_S) != 0:
         raise RuntimeError(f"the alone run exited with {process.returncode}")
 
@@ -273,7 +277,9 @@ def start_syncer(entry_dir: Path, work: Path, cpus: set[int] | None) -> tuple[su
     command = [sys.executable, "-m", "dilocod", "syncer", "--listen", "127.0.0.1:0", "--insecure"]
     command += ["--entry", ENTRY, "--state-dir", state, "--ready-json", *SYNCER_FLAGS]
     with children_on(cpus):
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, env=child_env(entry_dir))
+        process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=stderr, env=child_env(entry_dir), cwd=entry_dir
+        )
     stderr.close()
     try:
         ready = read_ready_line(process, "syncer", READY_TIMEOUT_S)
@@ -301,7 +307,7 @@ def run_under_dilocod(
         command += ["--network", config["network"]]
         with (work / "learner.stderr").open("wb") as stderr, children_on(learner_cpus):
             learner = subprocess.Popen(
-                command, env=child_env(entry_dir), stdout=subprocess.DEVNULL, stderr=stderr
+                command, env=child_env(entry_dir), stdout=subprocess.DEVNULL, stderr=stderr, cwd=entry_dir
             )
         if learner.wait(timeout=RUN_TIMEOUT_S) != 0:
             log = (work / "learner.stderr").read_text(errors="replace")

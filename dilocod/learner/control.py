@@ -2,17 +2,18 @@
 msgpack map, for the two places it crosses a process boundary: rank 0 of a torchrun island sharing
 it with the other ranks, and the learner's network process handing it to the training process.
 
-It holds exactly what the receiving side needs: the PLAN and the fragment requests in their own
-wire encoding, read back by the same checked decoders as from the network, and each update's
-fragment, version, heal flag, incarnation and byte count (the bytes travel separately). Never
-pickle: what arrives on a socket or a process group's port could come from anyone who reached it.
-Must not import torch.
+It holds exactly what the receiving side needs: the PLAN in its own wire encoding, read back by the
+same checked decoder as from the network; each fragment request as its three integers (fragment,
+round, version); each update's fragment, version, heal flag, incarnation and byte count (the bytes
+travel separately). Requests and updates are plain arrays because the network process's inbox is
+read at every step boundary, on the training thread, where a wire body's decoder costs tens of
+microseconds; every value is still checked. Never pickle: what arrives on a socket or a process
+group's port could come from anyone who reached it. Must not import torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypeVar
 
 import msgpack
 
@@ -49,17 +50,19 @@ class Control:
     fatal: str | None
 
 
+def control_to_raw(inbox: Inbox) -> dict[str, object]:
+    """Rank 0's inbox without the fragment bytes, as plain values for msgpack."""
+    return {
+        "plan": None if inbox.plan is None else encode_body(inbox.plan),
+        "updates": [[u.fragment, u.version, u.heal, u.incarnation, len(u.buffer)] for u in inbox.updates],
+        "requests": [[r.fragment, r.round, r.version] for r in inbox.requests],
+        "fatal": inbox.fatal,
+    }
+
+
 def encode_control(inbox: Inbox) -> bytes:
-    """Rank 0's inbox without the fragment bytes, as msgpack."""
-    return msgpack.packb(
-        {
-            "plan": None if inbox.plan is None else encode_body(inbox.plan),
-            "updates": [[u.fragment, u.version, u.heal, u.incarnation, len(u.buffer)] for u in inbox.updates],
-            "requests": [encode_body(request) for request in inbox.requests],
-            "fatal": inbox.fatal,
-        },
-        use_bin_type=True,
-    )
+    """control_to_raw as msgpack."""
+    return msgpack.packb(control_to_raw(inbox), use_bin_type=True)
 
 
 def decode_control(payload: bytes | bytearray) -> Control:
@@ -68,33 +71,33 @@ def decode_control(payload: bytes | bytearray) -> Control:
         raw = msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True)
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise ControlError(f"inbox control is not msgpack: {exc}") from None
+    return control_from_raw(raw)
+
+
+def control_from_raw(raw: object) -> Control:
+    """The inverse of control_to_raw, for a map already read from msgpack; anything else raises
+    ControlError."""
     if not isinstance(raw, dict) or set(raw) != _CONTROL_KEYS:
         raise ControlError(f"inbox control must be a map of {sorted(_CONTROL_KEYS)}")
     fatal = raw["fatal"]
     if fatal is not None and not isinstance(fatal, str):
         raise ControlError("inbox control: fatal must be a string or nil")
-    plan = None if raw["plan"] is None else _message(raw["plan"], FrameType.PLAN, Plan)
-    requests = tuple(
-        _message(body, FrameType.FRAGMENT_REQUEST, FragmentRequest)
-        for body in _list(raw["requests"], "requests")
-    )
+    plan = None if raw["plan"] is None else _plan(raw["plan"])
+    requests = tuple(_request(item) for item in _list(raw["requests"], "requests"))
     updates = tuple(_update(item) for item in _list(raw["updates"], "updates"))
     return Control(plan, updates, requests, fatal)
 
 
-M = TypeVar("M", Plan, FragmentRequest)
-
-
-def _message(body: object, frame_type: FrameType, kind: type[M]) -> M:
-    """A message in its wire encoding, through the same checked decoder as from the network."""
+def _plan(body: object) -> Plan:
+    """The PLAN in its wire encoding, through the same checked decoder as from the network."""
     if not isinstance(body, bytes):
-        raise ControlError(f"inbox control: {frame_type.name} must be bytes")
+        raise ControlError("inbox control: PLAN must be bytes")
     try:
-        message = decode_body(frame_type, body, DEFAULT_LIMITS)
+        message = decode_body(FrameType.PLAN, body, DEFAULT_LIMITS)
     except RemoteProtocolError as exc:
         raise ControlError(f"inbox control: {exc.message}") from None
-    if not isinstance(message, kind):  # decode_body gives the frame type's class; for the checker
-        raise ControlError(f"inbox control: {frame_type.name} decoded as {type(message).__name__}")
+    if not isinstance(message, Plan):  # decode_body gives the frame type's class; for the checker
+        raise ControlError(f"inbox control: PLAN decoded as {type(message).__name__}")
     return message
 
 
@@ -104,11 +107,23 @@ def _list(value: object, what: str) -> list[object]:
     return value
 
 
-def _update(item: object) -> UpdateNote:
+def _request(item: object) -> FragmentRequest:
+    # The same bounds as the wire's FRAGMENT_REQUEST: a fragment index fits 32 bits.
     # type() rather than isinstance: True is an int, and an int field must not take it.
+    if (
+        type(item) is not list
+        or len(item) != 3
+        or any(type(value) is not int or value < 0 for value in item)
+        or item[0] >= 2**32
+    ):
+        raise ControlError(f"inbox control: bad request {item!r:.200}")
+    return FragmentRequest(*item)
+
+
+def _update(item: object) -> UpdateNote:
     kinds = (int, int, bool, str, int)
     if (
-        not isinstance(item, list)
+        type(item) is not list
         or len(item) != len(kinds)
         or any(type(value) is not kind for value, kind in zip(item, kinds, strict=True))
         or min(item[0], item[1], item[4]) < 0

@@ -73,6 +73,7 @@ class HostCopier:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._on_cpu = device.type == "cpu"  # read at every apply: torch.device.type is not free
 
     def copy_out(
         self, layout: FragmentLayout, allocate: Callable[[int], Buffer] = bytearray
@@ -101,7 +102,7 @@ class HostCopier:
         return buffer, _DeviceCopy(done, host.data_ptr())
 
     def to_device(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        return tensors if self.device.type == "cpu" else [t.to(self.device) for t in tensors]
+        return tensors if self._on_cpu else [t.to(self.device) for t in tensors]
 
 
 class _DeviceCopy:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from dilocod.learner import netproc
 from dilocod.learner.bridge import Adopt, Snapshot, StepReportItem, newer_update
 from dilocod.learner.netproc import (
     MAX_DATAGRAM_BYTES,
@@ -277,3 +278,23 @@ def test_closing_waits_out_a_deferred_device_copy(pair: tuple[ProcessBridge, _Ch
     assert copy.waited == 1
     (sent,) = _drain_snapshots(child, 1)
     assert sent.round == 9
+
+
+def test_given_back_buffers_ride_on_the_next_inbox_message(
+    pair: tuple[ProcessBridge, _Child], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The child holds the snapshot buffers it copied out until its next inbox message, so the
+    training side reads one datagram per boundary fewer (alone after RELEASE_DELAY_S, above)."""
+    monkeypatch.setattr(netproc, "RELEASE_DELAY_S", DEADLINE_S)  # only the inbox message can carry it
+    parent, child = pair
+    snapshot, copy = _snapshot_in_flight(parent, child, fragment=1, round_=4, size=128)
+    copy.finished = True
+    parent.send_snapshot(snapshot)
+    _drain_snapshots(child, 1)
+    pending = child.call(lambda: list(child.bridge._releases))
+    assert len(pending) == 1 and parent._lender.lent == 1  # copied out, held by the child
+    child.call(child.bridge.post_update, Adopt(1, 2, bytearray(128), False, "inc"))
+    inbox = _take_until(parent, lambda i: i.updates)
+    assert [u.version for u in inbox.updates] == [2]
+    assert parent._lender.lent == 0  # given back by the very message that brought the update
+    assert child.call(lambda: (child.bridge._releases, child.bridge._release_timer)) == ([], None)

@@ -271,8 +271,13 @@ def test_island_control_checks_every_value() -> None:
         ("updates", [[True, 3, True, "inc", 24]]),  # a fragment must be an int, not a bool
         ("updates", [[0, -1, True, "inc", 24]]),
         ("updates", [[0, 3, True, "inc"]]),
-        ("requests", [b"\x80"]),  # a FRAGMENT_REQUEST missing its fields
-        ("requests", ["not bytes"]),
+        ("requests", [b"\x80"]),  # a FRAGMENT_REQUEST's wire body: requests are arrays of integers
+        ("requests", [[1, 9]]),  # a request missing its version
+        ("requests", [[True, 9, 2]]),
+        ("requests", [[1, -9, 2]]),
+        ("requests", [[2**32, 9, 2]]),  # a fragment index outside the wire's 32 bits
+        ("requests", [[1, 9.0, 2]]),
+        ("requests", "not an array"),
         ("plan", b"\x81\xa1x\x01"),
         ("fatal", 3),
     ]:

@@ -83,8 +83,8 @@ def control_from_raw(raw: object) -> Control:
     if fatal is not None and not isinstance(fatal, str):
         raise ControlError("inbox control: fatal must be a string or nil")
     plan = None if raw["plan"] is None else _plan(raw["plan"])
-    requests = tuple(_request(item) for item in _list(raw["requests"], "requests"))
-    updates = tuple(_update(item) for item in _list(raw["updates"], "updates"))
+    requests = tuple([_request(item) for item in _list(raw["requests"], "requests")])
+    updates = tuple([_update(item) for item in _list(raw["updates"], "updates")])
     return Control(plan, updates, requests, fatal)
 
 
@@ -107,26 +107,40 @@ def _list(value: object, what: str) -> list[object]:
     return value
 
 
+# Both checks below run at every step boundary of a learner with a network process, on the training
+# thread, right after the user's step has left the caches cold: plain comparisons, no generators.
+# type() rather than isinstance: True is an int, and an int field must not take it.
+
+
 def _request(item: object) -> FragmentRequest:
-    # The same bounds as the wire's FRAGMENT_REQUEST: a fragment index fits 32 bits.
-    # type() rather than isinstance: True is an int, and an int field must not take it.
+    if type(item) is not list or len(item) != 3:
+        raise ControlError(f"inbox control: bad request {item!r:.200}")
+    fragment, round_, version = item
     if (
-        type(item) is not list
-        or len(item) != 3
-        or any(type(value) is not int or value < 0 for value in item)
-        or item[0] >= 2**32
+        type(fragment) is not int
+        or type(round_) is not int
+        or type(version) is not int
+        or not 0 <= fragment < 2**32  # the wire's FRAGMENT_REQUEST bound
+        or round_ < 0
+        or version < 0
     ):
         raise ControlError(f"inbox control: bad request {item!r:.200}")
-    return FragmentRequest(*item)
+    return FragmentRequest(fragment, round_, version)
 
 
 def _update(item: object) -> UpdateNote:
-    kinds = (int, int, bool, str, int)
+    if type(item) is not list or len(item) != 5:
+        raise ControlError(f"inbox control: bad update {item!r:.200}")
+    fragment, version, heal, incarnation, nbytes = item
     if (
-        type(item) is not list
-        or len(item) != len(kinds)
-        or any(type(value) is not kind for value, kind in zip(item, kinds, strict=True))
-        or min(item[0], item[1], item[4]) < 0
+        type(fragment) is not int
+        or type(version) is not int
+        or type(heal) is not bool
+        or type(incarnation) is not str
+        or type(nbytes) is not int
+        or fragment < 0
+        or version < 0
+        or nbytes < 0
     ):
         raise ControlError(f"inbox control: bad update {item!r:.200}")
-    return UpdateNote(*item)
+    return UpdateNote(fragment, version, heal, incarnation, nbytes)

@@ -25,7 +25,8 @@ from dilocod.learner.netproc import (
     NetworkProcessError,
     ProcessBridge,
 )
-from dilocod.wire.messages import FragmentRequest
+from dilocod.wire.manifest import ModelEntry
+from dilocod.wire.messages import FragmentRequest, Plan
 
 DEADLINE_S = 10.0
 
@@ -298,3 +299,63 @@ def test_given_back_buffers_ride_on_the_next_inbox_message(
     assert [u.version for u in inbox.updates] == [2]
     assert parent._lender.lent == 0  # given back by the very message that brought the update
     assert child.call(lambda: (child.bridge._releases, child.bridge._release_timer)) == ([], None)
+
+
+def _plan(overlap: int) -> Plan:
+    model = (ModelEntry("a", "float32", (4,)), ModelEntry("b", "float32", (4,)))
+    return Plan("inc", model, (("a",), ("b",)), (0, 0), 2, overlap, 1)
+
+
+def _count_datagrams(child: _Child) -> list[str]:
+    """The kinds of the messages the child sends from now on."""
+    kinds: list[str] = []
+    queue = child.bridge.channel.queue
+
+    def counting(message, fds=()):  # type: ignore[no-untyped-def]
+        kinds.append(message["k"])
+        queue(message, fds)
+
+    child.bridge.channel.queue = counting  # type: ignore[method-assign]
+    return kinds
+
+
+def _at_a_boundary(parent: ProcessBridge, child: _Child, overlap: int, step_s: float) -> list[str]:
+    """A plan taken, then a boundary whose outbox reports a step of step_s; the kinds of what the
+    child sends after that."""
+    child.call(child.bridge.post_plan, _plan(overlap))
+    _take_until(parent, lambda i: i.plan is not None)
+    before = child.call(lambda: child.bridge._boundary_at)
+    parent.report_step(StepReportItem(1, 64, step_s), wake=False)
+    parent.flush()
+    for _ in range(100):  # the child reads the outbox on its timer
+        if child.call(lambda: child.bridge._boundary_at) != before:
+            break
+        threading.Event().wait(DEADLINE_S / 100)
+    return _count_datagrams(child)
+
+
+def test_what_arrives_in_a_step_s_first_half_shares_one_datagram(pair: tuple[ProcessBridge, _Child]) -> None:
+    parent, child = pair
+    step_s = 2.0  # the child holds what arrives now until one second after the boundary
+    kinds = _at_a_boundary(parent, child, overlap=2, step_s=step_s)
+    child.call(child.bridge.post_request, FragmentRequest(1, 5, 0))
+    for _ in range(5):  # held: a tenth of a second of boundaries sees nothing
+        assert parent.take().requests == []
+        threading.Event().wait(0.02)
+    child.call(child.bridge.post_update, Adopt(0, 1, bytearray(16), False, "inc"))
+    inbox = _take_until(parent, lambda i: i.requests)
+    assert [u.version for u in inbox.updates] == [1]  # the update came with the request
+    assert kinds == ["inbox"]
+
+
+def test_a_heal_a_lock_step_plan_or_a_short_step_is_not_held(pair: tuple[ProcessBridge, _Child]) -> None:
+    parent, child = pair
+    kinds = _at_a_boundary(parent, child, overlap=2, step_s=60.0)
+    child.call(child.bridge.post_request, FragmentRequest(1, 5, 0))
+    child.call(child.bridge.post_update, Adopt(0, 1, bytearray(16), True, "inc"))  # a heal: at once
+    inbox = _take_until(parent, lambda i: i.updates)
+    assert [r.round for r in inbox.requests] == [5] and kinds == ["inbox"]  # the request went with it
+    for overlap, step_s in ((0, 60.0), (2, netproc.COALESCE_MIN_STEP_S / 2)):
+        kinds = _at_a_boundary(parent, child, overlap=overlap, step_s=step_s)
+        child.call(child.bridge.post_request, FragmentRequest(0, 6, 0))
+        assert [r.round for r in _take_until(parent, lambda i: i.requests).requests] == [6]  # type: ignore[attr-defined]

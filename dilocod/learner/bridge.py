@@ -88,9 +88,11 @@ class Inbox:
 def newer_update(pending: Adopt | None, adopt: Adopt) -> Adopt | None:
     """What replaces a fragment's update not yet applied when another arrives: the newer one (or a
     heal, whatever its version), still a heal if either was; None when the arrival is older."""
-    if pending is not None and pending.version > adopt.version and not adopt.heal:
+    if pending is None:
+        return adopt
+    if pending.version > adopt.version and not adopt.heal:
         return None
-    heal = adopt.heal or (pending is not None and pending.heal)
+    heal = adopt.heal or pending.heal
     return Adopt(adopt.fragment, adopt.version, adopt.buffer, heal, adopt.incarnation)
 
 

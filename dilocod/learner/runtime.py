@@ -156,8 +156,9 @@ class TrainingLoop:
         self.layouts: list[FragmentLayout] = []
         self.anchors: dict[int, bytearray] = {}
         self.versions: dict[int, int] = {}
-        self.c_steps: dict[int, int] = {}
-        self.c_tokens: dict[int, int] = {}
+        #: progress.steps and progress.tokens when each fragment was last applied: a push's counters
+        #: are the differences (no per-fragment work at every step, whatever P).
+        self.applied_at: dict[int, tuple[int, int]] = {}
         #: θ_p at its last push, for keep-local: a copy where the parameters live (no host copy to
         #: wait for), in their own dtype.
         self.sent: dict[int, list[torch.Tensor]] = {}
@@ -272,9 +273,6 @@ class TrainingLoop:
         elapsed = time.monotonic() - started
         tokens = result.tokens if self.island is None else self.island.total(result.tokens)
         self.step_index += 1
-        for fragment in self.c_steps:
-            self.c_steps[fragment] += 1
-            self.c_tokens[fragment] += tokens
         self.progress.steps += 1
         self.progress.tokens += tokens
         self.progress.last_loss = result.loss
@@ -295,11 +293,16 @@ class TrainingLoop:
         apply_update_(list(layout.params), new, mode, alpha=self.config.mix_alpha, sent=sent)
         self.anchors[adopt.fragment] = adopt.buffer
         self.versions[adopt.fragment] = adopt.version
-        self.c_steps[adopt.fragment] = 0
-        self.c_tokens[adopt.fragment] = 0
+        self.applied_at[adopt.fragment] = (self.progress.steps, self.progress.tokens)
         self.sent.pop(adopt.fragment, None)
         self.awaiting.discard(adopt.fragment)
         self.progress.applied += 1
+
+    def counters(self, fragment: int) -> tuple[int, int]:
+        """The steps and tokens trained since the fragment was last applied (a push's c_steps and
+        c_tokens, DESIGN.md §3.3)."""
+        steps_at, tokens_at = self.applied_at[fragment]
+        return self.progress.steps - steps_at, self.progress.tokens - tokens_at
 
     def _snapshot(self, fragment: int, round_index: int) -> None:
         if fragment >= len(self.layouts) or fragment not in self.anchors:
@@ -307,12 +310,13 @@ class TrainingLoop:
         if self.leader:
             # Every rank of an island holds the same parameters: rank 0 speaks for all of them.
             theta, ready = self.copier.copy_out(self.layouts[fragment], self.bridge.snapshot_buffer)
+            c_steps, c_tokens = self.counters(fragment)
             snapshot = Snapshot(
                 fragment,
                 round_index,
                 self.versions[fragment],
-                self.c_steps[fragment],
-                self.c_tokens[fragment],
+                c_steps,
+                c_tokens,
                 theta,
                 self.anchors[fragment],
                 ready,

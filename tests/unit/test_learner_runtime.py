@@ -232,7 +232,7 @@ def test_heal_adopts_every_fragment_bit_exactly_whatever_the_mode() -> None:
     assert_params(r.job, values)
     assert r.loop.versions == {0: 3, 1: 5}
     assert r.loop.anchors[0] is r.heal_buffers[0] and r.loop.anchors[1] is r.heal_buffers[1]
-    assert r.loop.c_steps == {0: 0, 1: 0} and r.loop.c_tokens == {0: 0, 1: 0}
+    assert [r.loop.counters(p) for p in (0, 1)] == [(0, 0), (0, 0)]
     assert r.loop.overlap == 1 and r.loop.incarnation == INCARNATION
 
 
@@ -313,7 +313,7 @@ def test_counters_restart_at_adoption_per_fragment() -> None:
         r.loop.one_step()  # tokens 10, 11
     merged = r.update(1, 6, {n: torch.full(p.shape, 0.25) for n, p in r.job.model.named_parameters()})
     r.loop.boundary()
-    assert r.loop.c_steps == {0: 2, 1: 0} and r.loop.versions[1] == 6
+    assert [r.loop.counters(p) for p in (0, 1)] == [(2, 10 + 11), (0, 0)] and r.loop.versions[1] == 6
     for _ in range(3):
         r.loop.one_step()  # tokens 12, 13, 14
     r.bridge.post_request(FragmentRequest(0, 8, 3))

@@ -10,10 +10,11 @@ Two AF_UNIX SOCK_SEQPACKET socketpairs join the processes:
 - data: child to parent the inbox (plan, merged fragments, requests, a fatal error), parent to
   child the outbox (step reports, snapshots of requested fragments). The training thread touches
   it only at step boundaries and never waits on it (except where the runtime waits anyway: the
-  first heal, tau = 0). The child reads it on a timer (OUTBOX_POLL_S), so that the training
-  thread's send never has to wake a sleeping process, and forwards what arrives in the first half
-  of a step in one datagram at half-step (COALESCE_MIN_STEP_S): each datagram costs the training
-  thread a read and a decode at its boundary.
+  first heal, tau = 0). The child reads it on a timer, near the boundaries it expects
+  (OUTBOX_POLL_S, POLL_AHEAD_S), so that the training thread's send never has to wake a sleeping
+  process, and forwards what arrives in the first half of a step in one datagram at half-step
+  (COALESCE_MIN_STEP_S): each datagram costs the training thread a read and a decode at its
+  boundary.
 - side: the child's link statistics once a second, read by a small thread of the parent for
   progress and STATUS lines and for the watchdog (a child whose loop stalls stops the pings).
 
@@ -74,6 +75,13 @@ RELEASE_DELAY_S = 0.05
 #: at its step boundary. The timer costs the network process a thousand short wake-ups a second on
 #: its own core and delays a push by half a millisecond on average.
 OUTBOX_POLL_S = 0.001
+#: Between boundaries the child polls only near the next one it expects (the last boundary plus the
+#: shortest of the recent steps): it sleeps until POLL_AHEAD_S (or a quarter step, if less) before,
+#: then polls every OUTBOX_POLL_S until the outbox comes. A step that ends sooner than that waits
+#: for its push at most as long; the child never sleeps longer than POLL_MAX_SLEEP_S, so that a
+#: training side that leaves is noticed.
+POLL_AHEAD_S = 0.01
+POLL_MAX_SLEEP_S = 0.25
 #: What reaches the child in the first half of a training step is forwarded in one datagram at
 #: half-step (the update of the fragment pushed at the boundary and the next request usually
 #: arrive a few milliseconds apart, and each datagram the training side reads costs it about 70 µs
@@ -636,10 +644,21 @@ class ChildBridge(Bridge):
             self.closed.set()  # the parent has left (or died): no more polling
             return
         assert self._loop is not None
-        # Scheduled first: a message handled wrongly is logged by the loop, and polling goes on.
-        self._loop.call_later(OUTBOX_POLL_S, self._poll)
-        if messages:
-            self._handle(messages)
+        try:
+            if messages:
+                self._handle(messages)
+        finally:  # a message handled wrongly is logged by the loop, and polling goes on
+            self._loop.call_at(self._next_poll_at(), self._poll)
+
+    def _next_poll_at(self) -> float:
+        """When to read the training side's datagrams next (POLL_AHEAD_S)."""
+        assert self._loop is not None
+        now = self._loop.time()
+        if self._boundary_at is None or not self._step_times:
+            return now + OUTBOX_POLL_S
+        step_s = min(self._step_times)
+        expected = self._boundary_at + step_s
+        return min(max(now + OUTBOX_POLL_S, expected - min(POLL_AHEAD_S, step_s / 4)), now + POLL_MAX_SLEEP_S)
 
     def _handle(self, messages: Sequence[tuple[dict[str, Any], list[int]]]) -> None:
         released = []

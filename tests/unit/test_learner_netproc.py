@@ -359,3 +359,24 @@ def test_a_heal_a_lock_step_plan_or_a_short_step_is_not_held(pair: tuple[Process
         kinds = _at_a_boundary(parent, child, overlap=overlap, step_s=step_s)
         child.call(child.bridge.post_request, FragmentRequest(0, 6, 0))
         assert [r.round for r in _take_until(parent, lambda i: i.requests).requests] == [6]  # type: ignore[attr-defined]
+
+
+def test_between_boundaries_the_child_polls_only_near_the_next(
+    pair: tuple[ProcessBridge, _Child], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a boundary that reported a 1 s step, the child reads the training side's datagrams
+    again only POLL_AHEAD_S before the next boundary it expects, not every millisecond."""
+    monkeypatch.setattr(netproc, "POLL_MAX_SLEEP_S", DEADLINE_S)
+    parent, child = pair
+    _at_a_boundary(parent, child, overlap=2, step_s=1.0)
+    seen = child.call(lambda: child.bridge._boundary_at)
+    parent.report_step(StepReportItem(2, 64, 1.0), wake=False)
+    parent.flush()  # an outbox long before the boundary the child expects
+    threading.Event().wait(0.3)  # a stretch of time in which nothing may happen
+    assert child.call(lambda: child.bridge._boundary_at) == seen
+    for _ in range(100):
+        read_at = child.call(lambda: child.bridge._boundary_at)
+        if read_at != seen:
+            break
+        threading.Event().wait(DEADLINE_S / 100)
+    assert read_at - seen >= 1.0 - netproc.POLL_AHEAD_S - netproc.OUTBOX_POLL_S

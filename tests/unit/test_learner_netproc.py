@@ -336,7 +336,7 @@ def _at_a_boundary(parent: ProcessBridge, child: _Child, overlap: int, step_s: f
 
 def test_what_arrives_in_a_step_s_first_half_shares_one_datagram(pair: tuple[ProcessBridge, _Child]) -> None:
     parent, child = pair
-    step_s = 2.0  # the child holds what arrives now until one second after the boundary
+    step_s = 4.0  # the child holds what arrives now until two seconds after the boundary
     kinds = _at_a_boundary(parent, child, overlap=2, step_s=step_s)
     child.call(child.bridge.post_request, FragmentRequest(1, 5, 0))
     for _ in range(5):  # held: a tenth of a second of boundaries sees nothing
@@ -364,13 +364,13 @@ def test_a_heal_a_lock_step_plan_or_a_short_step_is_not_held(pair: tuple[Process
 def test_between_boundaries_the_child_polls_only_near_the_next(
     pair: tuple[ProcessBridge, _Child], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """After a boundary that reported a 1 s step, the child reads the training side's datagrams
+    """After a boundary that reported a 2 s step, the child reads the training side's datagrams
     again only POLL_AHEAD_S before the next boundary it expects, not every millisecond."""
     monkeypatch.setattr(netproc, "POLL_MAX_SLEEP_S", DEADLINE_S)
     parent, child = pair
-    _at_a_boundary(parent, child, overlap=2, step_s=1.0)
+    _at_a_boundary(parent, child, overlap=2, step_s=2.0)
     seen = child.call(lambda: child.bridge._boundary_at)
-    parent.report_step(StepReportItem(2, 64, 1.0), wake=False)
+    parent.report_step(StepReportItem(2, 64, 2.0), wake=False)
     parent.flush()  # an outbox long before the boundary the child expects
     threading.Event().wait(0.3)  # a stretch of time in which nothing may happen
     assert child.call(lambda: child.bridge._boundary_at) == seen
@@ -379,4 +379,4 @@ def test_between_boundaries_the_child_polls_only_near_the_next(
         if read_at != seen:
             break
         threading.Event().wait(DEADLINE_S / 100)
-    assert read_at - seen >= 1.0 - netproc.POLL_AHEAD_S - netproc.OUTBOX_POLL_S
+    assert read_at - seen >= 2.0 - netproc.POLL_AHEAD_S - netproc.OUTBOX_POLL_S

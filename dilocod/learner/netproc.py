@@ -560,21 +560,22 @@ class ChildBridge(Bridge):
             self._forward_handle.cancel()
         self._forward_handle = self._loop.call_at(at, self._forward)
 
+    def _last_step(self) -> tuple[float, float] | None:
+        """When the training side's last boundary was seen and the shortest of its recent steps:
+        what both the forwarding and the polling go by; None until both are known."""
+        if self._boundary_at is None or not self._step_times:
+            return None
+        return self._boundary_at, min(self._step_times)
+
     def _hold_s(self) -> float:
         """How long a message may wait for others to share its datagram: until half a step after
         the training side's last boundary. Never in lock-step (tau = 0: the training side waits for
         it), before the first plan and step reports, or for short steps."""
-        if (
-            self._loop is None
-            or self._overlap in (None, 0)
-            or self._boundary_at is None
-            or not self._step_times
-        ):
+        last = self._last_step()
+        if self._loop is None or self._overlap in (None, 0) or last is None or last[1] < COALESCE_MIN_STEP_S:
             return 0.0
-        step_s = min(self._step_times)
-        if step_s < COALESCE_MIN_STEP_S:
-            return 0.0
-        return max(0.0, self._boundary_at + step_s / 2 - self._loop.time())
+        boundary_at, step_s = last
+        return max(0.0, boundary_at + step_s / 2 - self._loop.time())
 
     def _forward(self) -> None:
         self._forward_handle = None
@@ -654,10 +655,11 @@ class ChildBridge(Bridge):
         """When to read the training side's datagrams next (POLL_AHEAD_S)."""
         assert self._loop is not None
         now = self._loop.time()
-        if self._boundary_at is None or not self._step_times:
+        last = self._last_step()
+        if last is None:
             return now + OUTBOX_POLL_S
-        step_s = min(self._step_times)
-        expected = self._boundary_at + step_s
+        boundary_at, step_s = last
+        expected = boundary_at + step_s
         return min(max(now + OUTBOX_POLL_S, expected - min(POLL_AHEAD_S, step_s / 4)), now + POLL_MAX_SLEEP_S)
 
     def _handle(self, messages: Sequence[tuple[dict[str, Any], list[int]]]) -> None:

@@ -359,6 +359,16 @@ def test_a_heal_a_lock_step_plan_or_a_short_step_is_not_held(pair: tuple[Process
         kinds = _at_a_boundary(parent, child, overlap=overlap, step_s=step_s)
         child.call(child.bridge.post_request, FragmentRequest(0, 6, 0))
         assert [r.round for r in _take_until(parent, lambda i: i.requests).requests] == [6]  # type: ignore[attr-defined]
+    # A short step's half is too short to see end to end: ask the child, at a boundary it has
+    # just seen, how long it would hold a message (a millisecond, were short steps not exempt).
+    bridge = child.bridge
+
+    def hold_right_after_a_boundary() -> float:
+        assert bridge._loop is not None
+        bridge._boundary_at = bridge._loop.time()
+        return bridge._hold_s()
+
+    assert child.call(hold_right_after_a_boundary) == 0.0
 
 
 def test_between_boundaries_the_child_polls_only_near_the_next(

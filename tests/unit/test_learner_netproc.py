@@ -98,6 +98,15 @@ class _Child:
         assert done.wait(DEADLINE_S)
         return out[0]
 
+    def forwarded(self) -> None:
+        """Until what was posted has been forwarded: a forward due now runs on a later turn of the
+        loop than the post, possibly after a callback queued behind the post."""
+        for _ in range(100):
+            if self.call(lambda: self.bridge._forward_handle is None):
+                return
+            threading.Event().wait(DEADLINE_S / 100)
+        raise AssertionError("the child did not forward what was posted in time")
+
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(DEADLINE_S)
@@ -176,8 +185,7 @@ def test_superseded_and_replaced_updates_are_given_back(pair: tuple[ProcessBridg
     parent, child = pair
     for version in (1, 2):
         child.call(child.bridge.post_update, Adopt(0, version, bytearray([version]) * 64, False, "i"))
-        # Each forwarded on its own loop iteration: two inbox messages, two buffers.
-        child.call(lambda: None)
+        child.forwarded()  # each in its own datagram: two inbox messages, two buffers
     inbox = _take_until(parent, lambda i: i.updates)
     assert [u.version for u in inbox.updates] == [2]  # the newer replaced the older before it was taken
     _take_until(parent, lambda _: child.call(lambda: child.bridge._lender.lent) == 1)

@@ -18,6 +18,12 @@ Two AF_UNIX SOCK_SEQPACKET socketpairs join the processes:
 - side: the child's link statistics once a second, read by a small thread of the parent for
   progress and STATUS lines and for the watchdog (a child whose loop stalls stops the pings).
 
+Each end of the data socket also writes how many datagrams it has sent into a page both processes
+map (SentCounts), and reads the other's count before it reads the socket: a recvmsg that finds
+nothing costs the training thread about 20 µs at its boundary, and every boundary would make one to
+learn that the queue is empty. The socket itself is read to its end (which also shows a peer that
+has gone) once every EOF_CHECK_S, and whenever the parent was woken by it.
+
 Messages are small msgpack datagrams. Fragment bytes never go through a socket: they sit in
 memory both processes map (memfd buffers, lent by the side that writes them, their descriptors
 passed once with SCM_RIGHTS, reused once the other side gives them back). The parent gives back an
@@ -90,6 +96,9 @@ POLL_MAX_SLEEP_S = 0.25
 COALESCE_MIN_STEP_S = 4 * OUTBOX_POLL_S
 #: Step times the child keeps to estimate the next step (it uses the shortest).
 STEP_TIMES_KEPT = 8
+#: A receiver that reads only what the other end's count says is there reads the socket to its end
+#: this often, so that a peer that closed it (or died) is noticed.
+EOF_CHECK_S = 0.25
 STOP_TIMEOUT_S = 30.0
 CONFIG_TIMEOUT_S = 30.0
 #: recvmsg's arguments, computed once: the flags are IntFlag members, whose arithmetic runs Python
@@ -159,15 +168,59 @@ class Mapper:
 # ----------------------------------------------------------------------------- datagrams
 
 
+class SentCounts:
+    """How many datagrams each end of the data socket has sent, in one page both processes map
+    (memfd, passed to the child at its start). Each count is written only by its sender, after the
+    sendmsg that put the datagram in the other end's queue, and only grows: a receiver that reads a
+    count a moment old reads a datagram at its next turn instead, never one that is not there."""
+
+    PARENT = 0
+    CHILD = 8  # a cache line apart: each side writes its own line
+    _BYTES = 4096
+
+    def __init__(self, fd: int | None = None) -> None:
+        """A new page (the parent), or the one passed as fd (the child)."""
+        if fd is None:
+            fd = os.memfd_create("dilocod-counts", os.MFD_CLOEXEC)
+            os.ftruncate(fd, self._BYTES)
+        #: The descriptor to pass to the child; the mapping holds a reference of its own.
+        self.fd: int | None = fd
+        self._map = mmap.mmap(fd, self._BYTES)
+        #: Native 8-byte words: a whole-word store and load each (no torn count on a 64-bit host).
+        self.words = memoryview(self._map).cast("Q")
+
+    def close_fd(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 class Channel:
     """One end of a SEQPACKET socket: messages out without ever blocking (what the socket cannot
-    take now waits here for the next send()), messages in as they are there."""
+    take now waits here for the next send()), messages in as they are there.
 
-    def __init__(self, sock: socket.socket) -> None:
+    With `counts`, this end publishes its sent count in counts.words[mine] and reads only as many
+    datagrams as the other end's count shows (see SentCounts), the socket to its end every
+    EOF_CHECK_S or after check_now(); `received` is what was read from the socket before (the
+    child's configuration)."""
+
+    def __init__(
+        self, sock: socket.socket, counts: SentCounts | None = None, mine: int = 0, received: int = 0
+    ) -> None:
         self.sock = sock
         sock.setblocking(False)
         self._out: deque[tuple[bytes, list[int]]] = deque()
         self._eof = False
+        self._counts = counts
+        self._mine = mine
+        self._theirs = SentCounts.CHILD if mine == SentCounts.PARENT else SentCounts.PARENT
+        self._sent = 0
+        self._received = received
+        self._check_at = 0.0  # when to read the socket to its end next (at once, the first time)
+
+    def check_now(self) -> None:
+        """Read the socket to its end at the next receive(): it was seen readable."""
+        self._check_at = 0.0
 
     def queue(self, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
         body = msgpack.packb(message, use_bin_type=True)
@@ -189,6 +242,9 @@ class Channel:
             for fd in fds:
                 os.close(fd)  # the other side holds its own copy of the descriptor now
             self._out.popleft()
+            self._sent += 1
+            if self._counts is not None:
+                self._counts.words[self._mine] = self._sent
         return True
 
     def receive(self) -> list[tuple[dict[str, Any], list[int]]]:
@@ -196,7 +252,16 @@ class Channel:
         out: list[tuple[dict[str, Any], list[int]]] = []
         if self._eof:
             raise NetworkProcessError("the other process closed its end")
-        while True:
+        limit = None  # read until the socket is empty
+        if self._counts is not None:
+            now = time.monotonic()
+            if now < self._check_at:
+                limit = self._counts.words[self._theirs] - self._received
+                if limit <= 0:
+                    return out
+            else:
+                self._check_at = now + EOF_CHECK_S
+        while limit is None or len(out) < limit:
             try:
                 body, ancillary, flags, _ = self.sock.recvmsg(MAX_DATAGRAM_BYTES, _ANCILLARY_BYTES)
             except BlockingIOError:
@@ -222,7 +287,9 @@ class Channel:
                 raise NetworkProcessError(f"an unreadable message from the other process: {exc}") from None
             if not isinstance(message, dict) or not isinstance(message.get("k"), str):
                 raise NetworkProcessError("a message from the other process without a kind")
+            self._received += 1
             out.append((message, fds))
+        return out
 
 
 def _take_fds(message: dict[str, Any], fds: list[int], mapper: Mapper) -> None:
@@ -245,7 +312,8 @@ class ProcessBridge:
 
     def __init__(self) -> None:
         data, self._child_data = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.channel = Channel(data)
+        self.counts = SentCounts()
+        self.channel = Channel(data, self.counts, SentCounts.PARENT)
         self.process: subprocess.Popen[bytes] | None = None
         self._mapper = Mapper()
         self._lender = Lender()
@@ -288,8 +356,10 @@ class ProcessBridge:
 
     def wait(self, timeout_s: float) -> None:
         """Block until the child sends something or timeout_s passes (tau = 0, the first heal)."""
-        if self._plan is None and not self._updates and not self._requests and self._fatal is None:
-            select.select([self.channel.sock], [], [], max(0.0, timeout_s))
+        idle = self._plan is None and not self._updates and not self._requests and self._fatal is None
+        # Woken by the socket: read it at the next take, whether or not the child's count shows it yet.
+        if idle and select.select([self.channel.sock], [], [], max(0.0, timeout_s))[0]:
+            self.channel.check_now()
 
     def snapshot_buffer(self, size: int) -> memoryview:
         """Where the runtime copies a requested fragment: a buffer the child maps."""
@@ -416,12 +486,15 @@ class ProcessBridge:
     def spawn(self, config: dict[str, Any], side: socket.socket) -> None:
         """Start the child on the other ends of the sockets and hand it its configuration."""
         command = [sys.executable, "-m", "dilocod.learner.netproc"]
-        command += ["--data-fd", str(self._child_data.fileno()), "--side-fd", str(side.fileno())]
+        assert self.counts.fd is not None, "spawned twice"
+        fds = (self._child_data.fileno(), side.fileno(), self.counts.fd)
+        command += ["--data-fd", str(fds[0]), "--side-fd", str(fds[1]), "--counts-fd", str(fds[2])]
         try:
-            self.process = subprocess.Popen(command, pass_fds=(self._child_data.fileno(), side.fileno()))
+            self.process = subprocess.Popen(command, pass_fds=fds)
         finally:
             self._child_data.close()
             side.close()
+            self.counts.close_fd()
         self.channel.queue({"k": "config", "config": config})
         self._send()
 
@@ -430,6 +503,7 @@ class ProcessBridge:
         if self.closed:
             return None if self.process is None else self.process.returncode
         self.closed = True
+        self.counts.close_fd()
         with contextlib.suppress(OSError):
             if self._snapshots:
                 self.flush(wait=True)  # the last boundary's deferred pushes still go
@@ -502,9 +576,9 @@ class ChildBridge(Bridge):
     """The Link's Bridge in the child: what the Link posts is forwarded to the parent (once per
     loop iteration), what the parent sends is handed to the Link as snapshots and step reports."""
 
-    def __init__(self, data: socket.socket) -> None:
+    def __init__(self, channel: Channel) -> None:
         super().__init__()
-        self.channel = Channel(data)
+        self.channel = channel
         self._mapper = Mapper()
         self._lender = Lender()
         self._delivered: dict[int, dict[int, bytearray]] = {}
@@ -766,7 +840,7 @@ def decode_config(raw: dict[str, Any]) -> ChildConfig:
 
 
 async def _child_main(
-    data: socket.socket,
+    data: Channel,
     side: socket.socket,
     config: ChildConfig,
     backlog: Sequence[tuple[dict[str, Any], list[int]]],
@@ -817,6 +891,7 @@ def child(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="dilocod learner's network process (started by the learner)")
     parser.add_argument("--data-fd", type=int, required=True)
     parser.add_argument("--side-fd", type=int, required=True)
+    parser.add_argument("--counts-fd", type=int, required=True)
     args = parser.parse_args(argv)
     # The parent decides when to stop (it finishes its step, saves, then closes our socket); a
     # Ctrl-C on the terminal or systemd's SIGTERM to the whole unit must not cut the goodbye short.
@@ -831,12 +906,15 @@ def child(argv: Sequence[str] | None = None) -> int:
     if not select.select([data], [], [], CONFIG_TIMEOUT_S)[0]:
         log.error("no configuration from the learner", waited_s=CONFIG_TIMEOUT_S)
         return 1
-    first = Channel(data).receive()
+    counts = SentCounts(args.counts_fd)
+    counts.close_fd()  # mapped: the descriptor is not needed again
+    channel = Channel(data, counts, SentCounts.CHILD)
+    first = channel.receive()
     if not first or first[0][0]["k"] != "config":
         log.error("the learner's first message is not the configuration")
         return 1
     config = decode_config(first[0][0]["config"])
-    run(_child_main(data, side, config, first[1:]), use_uvloop=config.use_uvloop)
+    run(_child_main(channel, side, config, first[1:]), use_uvloop=config.use_uvloop)
     return 0
 
 

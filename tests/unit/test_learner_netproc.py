@@ -12,6 +12,7 @@ import socket
 import threading
 from collections.abc import Iterator
 
+import msgpack
 import pytest
 
 from dilocod.learner import netproc
@@ -24,6 +25,7 @@ from dilocod.learner.netproc import (
     Mapper,
     NetworkProcessError,
     ProcessBridge,
+    SentCounts,
 )
 from dilocod.wire.manifest import ModelEntry
 from dilocod.wire.messages import FragmentRequest, Plan
@@ -59,6 +61,34 @@ def test_datagrams_carry_messages_and_descriptors() -> None:
     right.close()
 
 
+def test_a_receiver_reads_what_the_senders_count_shows() -> None:
+    """With a page of counts, a receiver calls recvmsg only for datagrams the other end has counted
+    (none when the count is unchanged: the training thread's boundary makes no empty read), and
+    reads the socket to its end when told it is readable, which also shows an end that is gone."""
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    counts = SentCounts()
+    a = Channel(left, counts, SentCounts.PARENT)
+    b = Channel(right, counts, SentCounts.CHILD)
+    assert b.receive() == []  # the first receive reads to the end: nothing there
+    a.queue({"k": "one"})
+    a.send()
+    assert counts.words[SentCounts.PARENT] == 1
+    assert [m["k"] for m, _ in b.receive()] == ["one"]
+    # A datagram the sender has not counted yet (sent, its count not yet written) waits ...
+    left.sendmsg([msgpack.packb({"k": "uncounted"})])
+    assert b.receive() == []
+    # ... until the count shows it, or the receiver is told the socket is readable.
+    counts.words[SentCounts.PARENT] += 1
+    assert [m["k"] for m, _ in b.receive()] == ["uncounted"]
+    left.close()
+    assert b.receive() == []  # the count is unchanged: the end is not seen yet
+    b.check_now()
+    with pytest.raises(NetworkProcessError, match="closed its end"):
+        b.receive()
+    right.close()
+    counts.close_fd()
+
+
 def test_lent_buffers_are_shared_and_reused() -> None:
     lender, mapper = Lender(), Mapper()
     bid, view, fd = lender.borrow(4096 + 3)
@@ -79,9 +109,9 @@ def test_lent_buffers_are_shared_and_reused() -> None:
 class _Child:
     """A ChildBridge on its own event loop thread, as in the network process (without a Link)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, counts: SentCounts) -> None:
         self.loop = asyncio.new_event_loop()
-        self.bridge = ChildBridge(sock)
+        self.bridge = ChildBridge(Channel(sock, counts, SentCounts.CHILD))
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.call(self.bridge.start, self.loop, [])
@@ -115,7 +145,7 @@ class _Child:
 @pytest.fixture
 def pair() -> Iterator[tuple[ProcessBridge, _Child]]:
     parent = ProcessBridge()
-    child = _Child(parent._child_data)
+    child = _Child(parent._child_data, parent.counts)
     try:
         yield parent, child
     finally:

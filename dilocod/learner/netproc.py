@@ -111,6 +111,10 @@ class NetworkProcessError(RuntimeError):
     """The network process is gone or spoke out of turn; the learner cannot sync without it."""
 
 
+class PeerClosedError(NetworkProcessError):
+    """The other process closed its end of the data socket (it stopped, or died)."""
+
+
 # ----------------------------------------------------------------------------- lent buffers
 
 
@@ -251,7 +255,7 @@ class Channel:
         """Every message the socket holds now, with the descriptors that came with it."""
         out: list[tuple[dict[str, Any], list[int]]] = []
         if self._eof:
-            raise NetworkProcessError("the other process closed its end")
+            raise PeerClosedError("the other process closed its end")
         limit = None  # read until the socket is empty
         if self._counts is not None:
             now = time.monotonic()
@@ -272,7 +276,7 @@ class Channel:
                 self._eof = True  # what came before the end is handed out first
                 if out:
                     return out
-                raise NetworkProcessError("the other process closed its end")
+                raise PeerClosedError("the other process closed its end")
             fds: list[int] = []
             for level, kind, data in ancillary:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -715,8 +719,12 @@ class ChildBridge(Bridge):
     def _poll(self) -> None:
         try:
             messages = self.channel.receive()
-        except NetworkProcessError:
+        except PeerClosedError:
             self.closed.set()  # the parent has left (or died): no more polling
+            return
+        except NetworkProcessError as exc:
+            log.error("the training process's messages cannot be read: the network stops", error=str(exc))
+            self.closed.set()
             return
         assert self._loop is not None
         try:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import msgpack
 import pytest
+import structlog
 
 from dilocod.learner import netproc
 from dilocod.learner.bridge import Adopt, Snapshot, StepReportItem, newer_update
@@ -232,6 +233,22 @@ def test_a_child_that_is_gone_is_an_error_not_a_hang(pair: tuple[ProcessBridge, 
     child.call(child.bridge.channel.sock.close)
     with pytest.raises(NetworkProcessError, match="network process stopped"):
         _take_until(parent, lambda _: False)
+
+
+def test_an_unreadable_message_stops_the_child_with_a_reason(pair: tuple[ProcessBridge, _Child]) -> None:
+    """Not msgpack from the training side: the child says why and stops its network (the parent
+    then sees it gone), rather than polling on as if the training side had left."""
+    parent, child = pair
+    parent.channel.sock.sendmsg([b"\xc1 not msgpack"])
+    parent.counts.words[SentCounts.PARENT] += 1  # counted, as Channel.send would
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(100):
+            if child.call(child.bridge.closed.is_set):
+                break
+            threading.Event().wait(DEADLINE_S / 100)
+    assert child.call(child.bridge.closed.is_set)
+    (record,) = [r for r in logs if r["log_level"] == "error"]
+    assert "unreadable message" in record["error"]
 
 
 def test_which_update_waits_for_the_boundary() -> None:

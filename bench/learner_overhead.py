@@ -52,6 +52,7 @@ import contextlib
 import json
 import math
 import os
+import random
 import shlex
 import signal
 import statistics
@@ -75,6 +76,8 @@ ENTRY = f"{ENTRY_MODULE}:make_trainer"
 SYNCER_FLAGS = ("--fragments", "24", "--sync-every", "24", "--overlap", "2")
 LAYERS, VOCAB, SEQ = 4, 256, 32
 READY_TIMEOUT_S = 120.0
+#: Resamples of the rounds for the overhead's confidence interval (bootstrap_interval).
+BOOTSTRAP_RESAMPLES = 2000
 RUN_TIMEOUT_S = 600.0
 
 ENTRY_SOURCE = '''
@@ -426,6 +429,23 @@ def measure_placement(
     return shape | aggregate(name, pairs, kinds)
 
 
+def bootstrap_interval(pairs: list[dict[str, Any]], kind: str) -> list[float] | None:
+    """A 95 % interval for the pooled-median overhead of `kind`, resampling whole rounds (each round
+    is a pair of processes, and processes of the same loop differ by a few percent on this host:
+    the round, not the step, is the unit of noise). None with fewer than 3 rounds."""
+    if len(pairs) < 3:
+        return None
+    rng = random.Random(0)  # the same rounds give the same interval
+    ratios = []
+    for _ in range(BOOTSTRAP_RESAMPLES):
+        chosen = [rng.randrange(len(pairs)) for _ in pairs]
+        alone = [x for i in chosen for x in pairs[i]["alone"]["times"]["intervals_s"]]
+        other = [x for i in chosen for x in pairs[i][kind]["times"]["intervals_s"]]
+        ratios.append(statistics.median(other) / statistics.median(alone) - 1)
+    ratios.sort()
+    return [ratios[int(0.025 * len(ratios))], ratios[int(0.975 * len(ratios)) - 1]]
+
+
 def aggregate(name: str, pairs: list[dict[str, Any]], kinds: list[str]) -> dict[str, Any]:
     pooled: dict[str, dict[str, Any]] = {}
     for kind in kinds:
@@ -454,6 +474,7 @@ def aggregate(name: str, pairs: list[dict[str, Any]], kinds: list[str]) -> dict[
         out[f"overhead_median_per_pair_{kind}"] = [
             p[kind]["summary"]["median_ms"] / p["alone"]["summary"]["median_ms"] - 1 for p in pairs
         ]
+        out[f"overhead_median_ci95_{kind}"] = bootstrap_interval(pairs, kind)
     out["pairs"] = [{k: p[k]["summary"] for k in kinds} for p in pairs]
     return out
 
@@ -562,11 +583,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         a = r["alone"]
         for kind in (k for k in r if k.startswith("dilocod-")):
             d = r[kind]
+            ci = r[f"overhead_median_ci95_{kind}"]
+            interval = "" if ci is None else f" (95 % interval over rounds {ci[0]:+.2%} to {ci[1]:+.2%})"
             print(
                 f"{r['placement']:>6} batch {r['batch']}: "
                 f"alone median {a['median_ms']:.2f} ms p90 {a['p90_ms']:.2f} ms | "
                 f"{kind} median {d['median_ms']:.2f} ms p90 {d['p90_ms']:.2f} ms | "
-                f"overhead {r[f'overhead_median_{kind}']:+.2%} | rounds merged {d['rounds_merged']}"
+                f"overhead {r[f'overhead_median_{kind}']:+.2%}{interval} | rounds merged {d['rounds_merged']}"
             )
     return 0
 

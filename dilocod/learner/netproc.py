@@ -20,7 +20,7 @@ Two AF_UNIX SOCK_SEQPACKET socketpairs join the processes:
 
 Each end of the data socket also writes how many datagrams it has sent into a page both processes
 map (SentCounts), and reads the other's count before it reads the socket: a recvmsg that finds
-nothing costs the training thread about 20 µs at its boundary, and every boundary would make one to
+nothing costs the training thread 10-15 µs at its boundary, and every boundary would make one to
 learn that the queue is empty. The socket itself is read to its end (which also shows a peer that
 has gone) once every EOF_CHECK_S, and whenever the parent was woken by it.
 
@@ -205,12 +205,9 @@ class Channel:
 
     With `counts`, this end publishes its sent count in counts.words[mine] and reads only as many
     datagrams as the other end's count shows (see SentCounts), the socket to its end every
-    EOF_CHECK_S or after check_now(); `received` is what was read from the socket before (the
-    child's configuration)."""
+    EOF_CHECK_S or after check_now()."""
 
-    def __init__(
-        self, sock: socket.socket, counts: SentCounts | None = None, mine: int = 0, received: int = 0
-    ) -> None:
+    def __init__(self, sock: socket.socket, counts: SentCounts | None = None, mine: int = 0) -> None:
         self.sock = sock
         sock.setblocking(False)
         self._out: deque[tuple[bytes, list[int]]] = deque()
@@ -219,7 +216,7 @@ class Channel:
         self._mine = mine
         self._theirs = SentCounts.CHILD if mine == SentCounts.PARENT else SentCounts.PARENT
         self._sent = 0
-        self._received = received
+        self._received = 0
         self._check_at = 0.0  # when to read the socket to its end next (at once, the first time)
 
     def check_now(self) -> None:
@@ -848,7 +845,7 @@ def decode_config(raw: dict[str, Any]) -> ChildConfig:
 
 
 async def _child_main(
-    data: Channel,
+    data: Channel,  # the data socket's channel, already past the configuration
     side: socket.socket,
     config: ChildConfig,
     backlog: Sequence[tuple[dict[str, Any], list[int]]],

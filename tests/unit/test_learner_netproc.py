@@ -236,8 +236,9 @@ def test_a_child_that_is_gone_is_an_error_not_a_hang(pair: tuple[ProcessBridge, 
 
 
 def test_an_unreadable_message_stops_the_child_with_a_reason(pair: tuple[ProcessBridge, _Child]) -> None:
-    """Not msgpack from the training side: the child says why and stops its network (the parent
-    then sees it gone), rather than polling on as if the training side had left."""
+    """Not msgpack from the training side: the child says why and stops its network (the network
+    process then exits, and the training side sees it gone), where it used to stop without a word,
+    as if the training side had left."""
     parent, child = pair
     parent.channel.sock.sendmsg([b"\xc1 not msgpack"])
     parent.counts.words[SentCounts.PARENT] += 1  # counted, as Channel.send would

@@ -15,6 +15,13 @@ The same entry's Trainer.step is run alone and under dilocod, each in its own ch
   --networks value: the learner's link in a child process (`--network process`, its default) and
   on a thread of the training process (`--network thread`).
 
+Each learner process also runs the alone loop itself before dilocod starts: the entry's factory
+(called before the learner connects anywhere) trains --warmup + --steps steps in a plain loop and
+records them, then hands dilocod the trainer. That baseline shares the learner process's heap and
+memory layout, which separate processes of the same loop do not (they differ by a few percent on
+this host), and runs seconds before the dilocod steps it is compared with; the separate alone
+process stays the headline's baseline.
+
 The step times are taken by the entry itself, identically in both: time.perf_counter() at the end
 of each step (after the optimizer step and the loss read back), and the interval from the end of
 one step to the end of the next, so under dilocod an interval includes the runtime's work at the
@@ -148,9 +155,10 @@ def proc_cpu_s(pid):
 
 
 class Recorder:
-    """Per-step times taken inside the step; written to CONFIG["times"] after the last one."""
+    """Per-step times taken inside the step; written to `path` after the last one."""
 
-    def __init__(self):
+    def __init__(self, path):
+        self.path = path
         self.warmup, self.steps = CONFIG["warmup"], CONFIG["steps"]
         self.calls = 0
         self.last_end = None
@@ -178,7 +186,7 @@ class Recorder:
             self.window["start" if self.calls == self.warmup else "end"] = mark
         if self.calls == self.warmup + self.steps:
             record = {"intervals_s": self.intervals, "work_s": self.work, "window": self.window}
-            Path(CONFIG["times"]).write_text(json.dumps(record))
+            Path(self.path).write_text(json.dumps(record))
 
 
 def make_trainer(ctx):
@@ -190,13 +198,16 @@ def make_trainer(ctx):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = byte_stream()
     generator = torch.Generator().manual_seed(ctx.seed)
-    recorder = Recorder()
+    recorder = Recorder(CONFIG["times"])
     pin = CONFIG.get("pin_main_thread")
 
     def step(index):
         if pin is not None and recorder.calls == 0:
             # Linux: pid 0 is the calling thread alone; threads made earlier keep their CPUs.
             os.sched_setaffinity(0, {pin})
+        return timed_step(recorder)
+
+    def timed_step(rec):
         started = time.perf_counter()
         starts = torch.randint(0, len(data) - SEQ - 1, (BATCH,), generator=generator)
         rows = torch.stack([data[s : s + SEQ + 1] for s in starts.tolist()])
@@ -206,9 +217,19 @@ def make_trainer(ctx):
         loss.backward()
         optimizer.step()
         value = loss.item()
-        recorder.end_of_step(started, value)
+        rec.end_of_step(started, value)
         return dilocod.StepResult(tokens=BATCH * SEQ, loss=value)
 
+    if CONFIG.get("times_before") and ctx.learner_id != "alone":
+        # The same loop alone in this very process, before dilocod connects anywhere (it loads the
+        # entry first): the process's own heap and layout on both sides of the comparison.
+        placed = os.sched_getaffinity(0)
+        if pin is not None:
+            os.sched_setaffinity(0, {pin})
+        before = Recorder(CONFIG["times_before"])
+        for _ in range(before.warmup + before.steps):
+            timed_step(before)
+        os.sched_setaffinity(0, placed)  # the network process, started later, inherits this
     return dilocod.Trainer(model=model, optimizer=optimizer, step=step)
 
 
@@ -411,17 +432,24 @@ def measure_placement(
                 pair["alone"] = {"summary": summarise(times), "times": times}
             else:
                 run_config["network"] = kind.removeprefix("dilocod-")
+                before_path = work / f"{name}-{config['batch']}-{rep}-{kind}-before.json"
+                run_config["times_before"] = str(before_path)
                 logs = run_under_dilocod(entry_dir, work, run_config, learner_cpus, syncer_cpus)
                 times = json.loads(times_path.read_text())
                 summary = summarise(times) | merged_in_window(logs, times)
                 pair[kind] = {"summary": summary, "times": times}
+                before = json.loads(before_path.read_text())
+                pair[before_key(kind)] = {"summary": summarise(before), "times": before}
         a = pair["alone"]["summary"]
-        line = ", ".join(
-            f"{kind} {pair[kind]['summary']['median_ms']:.2f} ms "
-            f"({pair[kind]['summary']['median_ms'] / a['median_ms'] - 1:+.1%}, "
-            f"{pair[kind]['summary']['rounds_merged']} rounds)"
-            for kind in kinds[1:]
-        )
+        parts = []
+        for kind in kinds[1:]:
+            d, b = pair[kind]["summary"], pair[before_key(kind)]["summary"]
+            parts.append(
+                f"{kind} {d['median_ms']:.2f} ms ({d['median_ms'] / a['median_ms'] - 1:+.1%}; "
+                f"alone in its process {b['median_ms']:.2f} ms, {d['median_ms'] / b['median_ms'] - 1:+.1%}; "
+                f"{d['rounds_merged']} rounds)"
+            )
+        line = ", ".join(parts)
         head = f"{name} batch {config['batch']} pair {rep}: alone {a['median_ms']:.2f} ms"
         print(f"{head}, {line}", file=sys.stderr)
         pairs.append(pair)
@@ -429,17 +457,28 @@ def measure_placement(
     return shape | aggregate(name, pairs, kinds)
 
 
-def bootstrap_interval(pairs: list[dict[str, Any]], kind: str) -> list[float] | None:
-    """A 95 % interval for the pooled-median overhead of `kind`, resampling whole rounds (each round
-    is a pair of processes, and processes of the same loop differ by a few percent on this host:
-    the round, not the step, is the unit of noise). None with fewer than 3 rounds."""
+def interval(ci: list[float] | None) -> str:
+    return "" if ci is None else f" (95 % interval over rounds {ci[0]:+.2%} to {ci[1]:+.2%})"
+
+
+def before_key(kind: str) -> str:
+    """The pair's entry for the alone loop run inside the `kind` learner's process, before dilocod
+    started (the entry's factory runs it: see ENTRY_SOURCE)."""
+    return f"{kind}:alone-before"
+
+
+def bootstrap_interval(pairs: list[dict[str, Any]], kind: str, baseline: str = "alone") -> list[float] | None:
+    """A 95 % interval for the pooled-median overhead of `kind` over `baseline`, resampling whole
+    rounds (each round is a pair of processes, and processes of the same loop differ by a few
+    percent on this host: the round, not the step, is the unit of noise). None with fewer than 3
+    rounds."""
     if len(pairs) < 3:
         return None
     rng = random.Random(0)  # the same rounds give the same interval
     ratios = []
     for _ in range(BOOTSTRAP_RESAMPLES):
         chosen = [rng.randrange(len(pairs)) for _ in pairs]
-        alone = [x for i in chosen for x in pairs[i]["alone"]["times"]["intervals_s"]]
+        alone = [x for i in chosen for x in pairs[i][baseline]["times"]["intervals_s"]]
         other = [x for i in chosen for x in pairs[i][kind]["times"]["intervals_s"]]
         ratios.append(statistics.median(other) / statistics.median(alone) - 1)
     ratios.sort()
@@ -448,7 +487,7 @@ def bootstrap_interval(pairs: list[dict[str, Any]], kind: str) -> list[float] | 
 
 def aggregate(name: str, pairs: list[dict[str, Any]], kinds: list[str]) -> dict[str, Any]:
     pooled: dict[str, dict[str, Any]] = {}
-    for kind in kinds:
+    for kind in [*kinds, *(before_key(k) for k in kinds[1:])]:
         intervals = [x for p in pairs for x in p[kind]["times"]["intervals_s"]]
         work = [x for p in pairs for x in p[kind]["times"]["work_s"]]
         summaries = [p[kind]["summary"] for p in pairs]
@@ -462,7 +501,7 @@ def aggregate(name: str, pairs: list[dict[str, Any]], kinds: list[str]) -> dict[
             "process_cores": statistics.fmean(s["process_cores"] for s in summaries),
             "training_thread_cores": statistics.fmean(s["training_thread_cores"] for s in summaries),
         }
-        if kind != "alone":
+        if kind in kinds[1:]:
             pooled[kind]["rounds_merged"] = sum(s["rounds_merged"] for s in summaries)
             pooled[kind]["syncer_cores"] = statistics.fmean(s.get("syncer_cores", 0.0) for s in summaries)
     a = pooled["alone"]
@@ -475,7 +514,14 @@ def aggregate(name: str, pairs: list[dict[str, Any]], kinds: list[str]) -> dict[
             p[kind]["summary"]["median_ms"] / p["alone"]["summary"]["median_ms"] - 1 for p in pairs
         ]
         out[f"overhead_median_ci95_{kind}"] = bootstrap_interval(pairs, kind)
-    out["pairs"] = [{k: p[k]["summary"] for k in kinds} for p in pairs]
+        # Against the alone loop in the same process (the process's own heap on both sides).
+        before = pooled[before_key(kind)]
+        out[f"overhead_median_same_process_{kind}"] = d["median_ms"] / before["median_ms"] - 1
+        out[f"overhead_median_same_process_per_pair_{kind}"] = [
+            p[kind]["summary"]["median_ms"] / p[before_key(kind)]["summary"]["median_ms"] - 1 for p in pairs
+        ]
+        out[f"overhead_median_same_process_ci95_{kind}"] = bootstrap_interval(pairs, kind, before_key(kind))
+    out["pairs"] = [{k: p[k]["summary"] for k in p} for p in pairs]
     return out
 
 
@@ -581,15 +627,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.json.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     for r in results:
         a = r["alone"]
-        for kind in (k for k in r if k.startswith("dilocod-")):
-            d = r[kind]
-            ci = r[f"overhead_median_ci95_{kind}"]
-            interval = "" if ci is None else f" (95 % interval over rounds {ci[0]:+.2%} to {ci[1]:+.2%})"
+        for kind in (k for k in r if k.startswith("dilocod-") and ":" not in k):
+            d, b = r[kind], r[before_key(kind)]
+            overhead, ci = r[f"overhead_median_{kind}"], r[f"overhead_median_ci95_{kind}"]
+            same, same_ci = (
+                r[f"overhead_median_same_process_{kind}"],
+                r[f"overhead_median_same_process_ci95_{kind}"],
+            )
             print(
                 f"{r['placement']:>6} batch {r['batch']}: "
                 f"alone median {a['median_ms']:.2f} ms p90 {a['p90_ms']:.2f} ms | "
                 f"{kind} median {d['median_ms']:.2f} ms p90 {d['p90_ms']:.2f} ms | "
-                f"overhead {r[f'overhead_median_{kind}']:+.2%}{interval} | rounds merged {d['rounds_merged']}"
+                f"overhead {overhead:+.2%}{interval(ci)} | "
+                f"alone in the same process {b['median_ms']:.2f} ms, "
+                f"overhead {same:+.2%}{interval(same_ci)} | "
+                f"rounds merged {d['rounds_merged']}"
             )
     return 0
 

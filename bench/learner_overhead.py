@@ -220,7 +220,7 @@ def make_trainer(ctx):
         rec.end_of_step(started, value)
         return dilocod.StepResult(tokens=BATCH * SEQ, loss=value)
 
-    if CONFIG.get("times_before") and ctx.learner_id != "alone":
+    if CONFIG.get("times_before"):  # set for the learner's runs only
         # The same loop alone in this very process, before dilocod connects anywhere (it loads the
         # entry first): the process's own heap and layout on both sides of the comparison.
         placed = os.sched_getaffinity(0)

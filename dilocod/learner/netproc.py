@@ -118,6 +118,13 @@ class PeerClosedError(NetworkProcessError):
 # ----------------------------------------------------------------------------- lent buffers
 
 
+def _shared_memory(name: str, size: int) -> tuple[int, mmap.mmap]:
+    """A new memfd of `size` bytes (at least one) and this process's mapping of it."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    os.ftruncate(fd, max(size, 1))
+    return fd, mmap.mmap(fd, max(size, 1))
+
+
 class Lender:
     """Buffers this side writes and the other side maps: memfd-backed, reused once given back."""
 
@@ -136,9 +143,7 @@ class Lender:
             bid = free.pop()
         else:
             bid = next(self._ids)
-            fd = os.memfd_create(f"dilocod-{bid}", os.MFD_CLOEXEC)
-            os.ftruncate(fd, max(size, 1))
-            self._maps[bid] = mmap.mmap(fd, max(size, 1))
+            fd, self._maps[bid] = _shared_memory(f"dilocod-{bid}", size)
             self._sizes[bid] = size
         self.lent += 1
         return bid, memoryview(self._maps[bid])[:size], fd
@@ -185,11 +190,11 @@ class SentCounts:
     def __init__(self, fd: int | None = None) -> None:
         """A new page (the parent), or the one passed as fd (the child)."""
         if fd is None:
-            fd = os.memfd_create("dilocod-counts", os.MFD_CLOEXEC)
-            os.ftruncate(fd, self._BYTES)
+            fd, self._map = _shared_memory("dilocod-counts", self._BYTES)
+        else:
+            self._map = mmap.mmap(fd, self._BYTES)
         #: The descriptor to pass to the child; the mapping holds a reference of its own.
         self.fd: int | None = fd
-        self._map = mmap.mmap(fd, self._BYTES)
         #: Native 8-byte words: a whole-word store and load each (no torn count on a 64-bit host).
         self.words = memoryview(self._map).cast("Q")
 
@@ -845,7 +850,7 @@ def decode_config(raw: dict[str, Any]) -> ChildConfig:
 
 
 async def _child_main(
-    data: Channel,  # the data socket's channel, already past the configuration
+    channel: Channel,  # the data socket's, already past the configuration
     side: socket.socket,
     config: ChildConfig,
     backlog: Sequence[tuple[dict[str, Any], list[int]]],
@@ -853,7 +858,7 @@ async def _child_main(
     from dilocod.learner.link import Link  # noqa: PLC0415
 
     loop = asyncio.get_running_loop()
-    bridge = ChildBridge(data)
+    bridge = ChildBridge(channel)
     bridge.start(loop, backlog)
     link = Link(config.link, config.model, bridge)
     link.incarnation = config.incarnation

@@ -42,10 +42,15 @@ since the syncer here shares the two cores with the learner, which it never does
 - shared: no pinning, the scheduler places every thread of both processes;
 - pinned: the learner process (training, network and push threads, and its network process,
   which inherits the affinity) on CPU 0, the syncer on CPU 1; the alone process on CPU 0;
-- split: the learner's training thread on CPU 0, its other threads with the syncer on CPU 1 (the
-  shape of a learner host with cores to spare); the alone process on CPU 0. The learner starts on
-  CPU 1 and its training thread moves itself to CPU 0 at its first step, after the network process
-  was started: that process inherits CPU 1.
+- split: the learner's training thread on CPU 0, its other threads and its network process with
+  the syncer on CPU 1 (the shape of a learner host with cores to spare); the alone process on CPU
+  0. The learner starts on CPU 0, as the alone process does, and after its first step its training
+  thread moves every other thread of the learner and of its network process to CPU 1 (again just
+  before the measured window, for threads started since); each run records where every thread
+  was allowed to run after its last step, and a run where that is not so is an error. Where a
+  process builds its model matters here: the alone loop started on CPU 1 and moved to CPU 0 after
+  building its model ran 3.7 % slower than one started on CPU 0 (bench/RESULTS.md §5,
+  bench/launch_cpu.py).
 
 It measures and records; it asserts nothing. Run from the repository root:
 ``python bench/learner_overhead.py [--steps 300] [--params 2500000] [--json FILE]``.
@@ -92,6 +97,7 @@ ENTRY_SOURCE = '''
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -154,6 +160,59 @@ def proc_cpu_s(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def descendants(pid):
+    """The processes pid started, and theirs, from /proc (Linux)."""
+    found = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            children = Path(f"/proc/{pid}/task/{task}/children").read_text().split()
+        except OSError:  # the thread has exited
+            continue
+        for child in map(int, children):
+            found += [child, *descendants(child)]
+    return found
+
+
+def threads(pid):
+    """(tid, name) of each of pid's threads."""
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out.append((int(task), Path(f"/proc/{pid}/task/{task}/comm").read_text().strip()))
+        except OSError:
+            continue
+    return out
+
+
+def move_others(cpus):
+    """Every other thread of this process, and every thread of the processes it started, onto cpus
+    (Linux: a thread id names one thread; threads and processes started later inherit the CPUs
+    of the thread that starts them)."""
+    me = threading.get_native_id()
+    for pid in [os.getpid(), *descendants(os.getpid())]:
+        for tid, _ in threads(pid):
+            if tid != me:
+                try:
+                    os.sched_setaffinity(tid, cpus)
+                except ProcessLookupError:  # exited since it was listed
+                    pass
+
+
+def placement():
+    """Where each thread of this process (the calling one first) and of its children may run."""
+    me = threading.get_native_id()
+    out = [["training", sorted(os.sched_getaffinity(0))]]
+    for pid in [os.getpid(), *descendants(os.getpid())]:
+        process = "learner" if pid == os.getpid() else f"child {pid}"
+        for tid, name in threads(pid):
+            if tid != me:
+                try:
+                    out.append([f"{process} thread {tid} ({name})", sorted(os.sched_getaffinity(tid))])
+                except ProcessLookupError:
+                    pass
+    return out
+
+
 class Recorder:
     """Per-step times taken inside the step; written to `path` after the last one."""
 
@@ -165,6 +224,7 @@ class Recorder:
         self.intervals, self.work = [], []
         self.window = {}
         self.losses = []
+        self.extra = {}
 
     def end_of_step(self, started, loss):
         now = time.perf_counter()
@@ -185,8 +245,11 @@ class Recorder:
                 mark["syncer_cpu_s"] = proc_cpu_s(CONFIG["syncer_pid"])
             self.window["start" if self.calls == self.warmup else "end"] = mark
         if self.calls == self.warmup + self.steps:
-            record = {"intervals_s": self.intervals, "work_s": self.work, "window": self.window}
-            Path(self.path).write_text(json.dumps(record))
+            self.save()
+
+    def save(self):
+        record = {"intervals_s": self.intervals, "work_s": self.work, "window": self.window, **self.extra}
+        Path(self.path).write_text(json.dumps(record))
 
 
 def make_trainer(ctx):
@@ -199,13 +262,18 @@ def make_trainer(ctx):
     data = byte_stream()
     generator = torch.Generator().manual_seed(ctx.seed)
     recorder = Recorder(CONFIG["times"])
-    pin = CONFIG.get("pin_main_thread")
+    others = CONFIG.get("others_cpu")
 
     def step(index):
-        if pin is not None and recorder.calls == 0:
-            # Linux: pid 0 is the calling thread alone; threads made earlier keep their CPUs.
-            os.sched_setaffinity(0, {pin})
-        return timed_step(recorder)
+        result = timed_step(recorder)
+        # Between steps whose interval is not measured: after the first, again just before the
+        # window (for threads started since), and after the last.
+        if others is not None and recorder.calls in (1, recorder.warmup - 1):
+            move_others({others})
+        if others is not None and recorder.calls == recorder.warmup + recorder.steps:
+            recorder.extra["placement"] = placement()
+            recorder.save()
+        return result
 
     def timed_step(rec):
         started = time.perf_counter()
@@ -223,13 +291,9 @@ def make_trainer(ctx):
     if CONFIG.get("times_before"):  # set for the learner's runs only
         # The same loop alone in this very process, before dilocod connects anywhere (it loads the
         # entry first): the process's own heap and layout on both sides of the comparison.
-        placed = os.sched_getaffinity(0)
-        if pin is not None:
-            os.sched_setaffinity(0, {pin})
         before = Recorder(CONFIG["times_before"])
         for _ in range(before.warmup + before.steps):
             timed_step(before)
-        os.sched_setaffinity(0, placed)  # the network process, started later, inherits this
     return dilocod.Trainer(model=model, optimizer=optimizer, step=step)
 
 
@@ -415,8 +479,8 @@ def measure_placement(
     if name == "pinned":
         learner_cpus, syncer_cpus, alone_cpus = {0}, {1}, {0}
     elif name == "split":
-        learner_cpus, syncer_cpus, alone_cpus = {1}, {1}, {0}
-        config["pin_main_thread"] = 0
+        learner_cpus, syncer_cpus, alone_cpus = {0}, {1}, {0}
+        config["others_cpu"] = 1
     kinds = ["alone", *(f"dilocod-{network}" for network in args.networks)]
     pairs = []
     for rep in range(args.reps):
@@ -426,7 +490,7 @@ def measure_placement(
             times_path = work / f"{name}-{config['batch']}-{rep}-{kind}.json"
             run_config = {**config, "times": str(times_path)}
             if kind == "alone":
-                run_config.pop("pin_main_thread", None)
+                run_config.pop("others_cpu", None)
                 run_alone(entry_dir, run_config, alone_cpus)
                 times = json.loads(times_path.read_text())
                 pair["alone"] = {"summary": summarise(times), "times": times}
@@ -437,6 +501,9 @@ def measure_placement(
                 logs = run_under_dilocod(entry_dir, work, run_config, learner_cpus, syncer_cpus)
                 times = json.loads(times_path.read_text())
                 summary = summarise(times) | merged_in_window(logs, times)
+                if "others_cpu" in run_config:
+                    check_split(times.get("placement"), run_config["others_cpu"])
+                    summary["placement"] = times["placement"]
                 pair[kind] = {"summary": summary, "times": times}
                 before = json.loads(before_path.read_text())
                 pair[before_key(kind)] = {"summary": summarise(before), "times": before}
@@ -455,6 +522,18 @@ def measure_placement(
         pairs.append(pair)
     shape = {"batch": config["batch"], "tokens_per_step": config["batch"] * SEQ}
     return shape | aggregate(name, pairs, kinds)
+
+
+def check_split(placement: list[list[Any]] | None, others: int) -> None:
+    """The split placement held to the last step: the training thread on CPU 0, every other thread
+    of the learner and of its network process on `others`."""
+    if not placement:
+        raise RuntimeError("the learner recorded no placement")
+    (_, training), *rest = placement
+    misplaced = [name for name, cpus in rest if cpus != [others]]
+    if training != [0] or misplaced:
+        where = f"the training thread on CPUs {training}, off CPU {others}: {misplaced}"
+        raise RuntimeError(f"the split placement did not hold: {where}")
 
 
 def interval(ci: list[float] | None) -> str:

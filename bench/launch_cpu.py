@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -110,7 +111,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{summary[kind]['rounds_slower_than_cpu0']} of {args.rounds}"
         )
     if args.json:
-        record = {"args": vars(args) | {"json": str(args.json)}, "machine": facts, "medians_ms": medians}
+        record = {
+            "command": shlex.join(["python", "bench/launch_cpu.py", *(argv or sys.argv[1:])]),
+            "args": vars(args) | {"json": str(args.json)},
+            "machine": facts,
+            "medians_ms": medians,
+        }
         args.json.write_text(json.dumps(record | {"summary": summary}, indent=1) + "\n")
     return 0
 

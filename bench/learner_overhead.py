@@ -65,6 +65,7 @@ import json
 import math
 import os
 import random
+import select
 import shlex
 import signal
 import statistics
@@ -91,6 +92,8 @@ READY_TIMEOUT_S = 120.0
 #: Resamples of the rounds for the overhead's confidence interval (bootstrap_interval).
 BOOTSTRAP_RESAMPLES = 2000
 RUN_TIMEOUT_S = 600.0
+#: The alone process beside dilocod's work on the other core (--beside; run_beside).
+BESIDE = "alone-beside"
 
 ENTRY_SOURCE = '''
 """Benchmark entry (written by bench/learner_overhead.py): a small GPT, and step timing."""
@@ -288,6 +291,8 @@ def make_trainer(ctx):
         rec.end_of_step(started, value)
         return dilocod.StepResult(tokens=BATCH * SEQ, loss=value)
 
+    if CONFIG.get("sleep_step_s"):
+        return dilocod.Trainer(model=model, optimizer=optimizer, step=sleeping_step(model))
     if CONFIG.get("times_before"):  # set for the learner's runs only
         # The same loop alone in this very process, before dilocod connects anywhere (it loads the
         # entry first): the process's own heap and layout on both sides of the comparison.
@@ -295,6 +300,33 @@ def make_trainer(ctx):
         for _ in range(before.warmup + before.steps):
             timed_step(before)
     return dilocod.Trainer(model=model, optimizer=optimizer, step=step)
+
+
+def sleeping_step(model):
+    """A step that trains nothing and sleeps out the step time: dilocod's runtime, its network
+    process and the syncer then do a training run's work (the same fragments, pushes and merges at
+    the same rate) while this process's training thread leaves the CPU to others. Each step nudges a
+    24th of the tensors, so every push carries an outer gradient of real norm (zero deltas take a
+    cheaper merge). Writes a byte to the descriptor CONFIG["ready_fd"] once --warmup steps are done."""
+    tensors = list(model.parameters())
+    groups = [tensors[i::24] for i in range(24)]
+    period, ready = CONFIG["sleep_step_s"], CONFIG["ready_fd"]
+    calls = 0
+
+    def step(index):
+        nonlocal calls
+        started = time.perf_counter()
+        with torch.no_grad():
+            for tensor in groups[calls % len(groups)]:
+                tensor.add_(1e-4)
+        calls += 1
+        if calls == CONFIG["warmup"]:
+            os.write(ready, b"r")
+            os.close(ready)
+        time.sleep(max(0.0, period - (time.perf_counter() - started)))
+        return dilocod.StepResult(tokens=BATCH * SEQ, loss=None)
+
+    return step
 
 
 def alone():
@@ -413,6 +445,55 @@ def run_under_dilocod(
     }
 
 
+def run_beside(entry_dir: Path, work: Path, config: dict[str, Any], step_s: float) -> dict[str, Any]:
+    """The alone process on CPU 0 while a syncer and a learner whose steps sleep (the entry's
+    sleeping_step, step_s each) run on CPU 1: what dilocod's work on the other core costs the step
+    without dilocod in the training process. The learner is in its steady state (past --warmup
+    steps) before the alone process starts, and is stopped after it ends."""
+    write_config(entry_dir, {**config, "syncer_pid": None})
+    syncer, port = start_syncer(entry_dir, work, {1})
+    ready_read, ready_write = os.pipe()
+    learner: subprocess.Popen[bytes] | None = None
+    try:
+        sleeping = {"syncer_pid": None, "sleep_step_s": step_s, "ready_fd": ready_write}
+        write_config(entry_dir, {**config, **sleeping})
+        command = [sys.executable, "-m", "dilocod", "learner", "--syncer", f"127.0.0.1:{port}", "--insecure"]
+        command += ["--entry", ENTRY, "--id", "beside", "--device", "cpu", "--seed", str(config["seed"])]
+        with (work / "learner.stderr").open("wb") as stderr, children_on({1}):
+            learner = subprocess.Popen(
+                command,
+                env=child_env(entry_dir),
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                cwd=entry_dir,
+                pass_fds=(ready_write,),
+            )
+        os.close(ready_write)
+        ready_write = -1
+        # The learner writes a byte once past its warm-up, or the pipe ends when it exits.
+        readable, _, _ = select.select([ready_read], [], [], READY_TIMEOUT_S)
+        if not readable or not os.read(ready_read, 1):
+            log = (work / "learner.stderr").read_text(errors="replace")
+            raise RuntimeError(f"the sleeping learner did not reach its steady state: {log}")
+        run_alone(entry_dir, {**config, "syncer_pid": syncer.pid}, {0})
+        if learner.poll() is not None:
+            raise RuntimeError(f"the sleeping learner exited with {learner.returncode} during the run")
+    finally:
+        os.close(ready_read)
+        if ready_write >= 0:
+            os.close(ready_write)
+        for process in (learner, syncer):
+            if process is None:
+                continue
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+    return {"syncer": records(work / "syncer.stderr"), "learner": records(work / "learner.stderr")}
+
+
 def records(path: Path) -> list[dict[str, Any]]:
     out = []
     for line in path.read_text(errors="replace").splitlines():
@@ -481,19 +562,33 @@ def measure_placement(
     elif name == "split":
         learner_cpus, syncer_cpus, alone_cpus = {0}, {1}, {0}
         config["others_cpu"] = 1
-    kinds = ["alone", *(f"dilocod-{network}" for network in args.networks)]
+    dilocods = [f"dilocod-{network}" for network in args.networks]
+    baselines = ["alone", *([BESIDE] if args.beside else [])]
+    kinds = [*baselines, *dilocods]
     pairs = []
+    alone_step_s: float | None = None  # the sleeping learner's step: the last alone run's median
     for rep in range(args.reps):
         pair: dict[str, Any] = {}
-        # Each rep rotates the order, so no kind always runs first (or right after another).
+        # Each rep rotates the order, so no kind always runs first (or right after another); the
+        # first rep starts with alone, which gives the sleeping learner its step time.
         for kind in kinds[rep % len(kinds) :] + kinds[: rep % len(kinds)]:
             times_path = work / f"{name}-{config['batch']}-{rep}-{kind}.json"
             run_config = {**config, "times": str(times_path)}
-            if kind == "alone":
+            if kind in baselines:
                 run_config.pop("others_cpu", None)
-                run_alone(entry_dir, run_config, alone_cpus)
+                if kind == "alone":
+                    run_alone(entry_dir, run_config, alone_cpus)
+                    logs = None
+                else:
+                    assert alone_step_s is not None, "the first rep runs alone first"
+                    logs = run_beside(entry_dir, work, run_config, alone_step_s)
                 times = json.loads(times_path.read_text())
-                pair["alone"] = {"summary": summarise(times), "times": times}
+                summary = summarise(times)
+                if logs is not None:
+                    summary |= merged_in_window(logs, times)
+                else:
+                    alone_step_s = summary["median_ms"] / 1e3
+                pair[kind] = {"summary": summary, "times": times}
             else:
                 run_config["network"] = kind.removeprefix("dilocod-")
                 before_path = work / f"{name}-{config['batch']}-{rep}-{kind}-before.json"
@@ -509,7 +604,10 @@ def measure_placement(
                 pair[before_key(kind)] = {"summary": summarise(before), "times": before}
         a = pair["alone"]["summary"]
         parts = []
-        for kind in kinds[1:]:
+        if args.beside:
+            s = pair[BESIDE]["summary"]
+            parts.append(f"{BESIDE} {s['median_ms']:.2f} ms ({s['median_ms'] / a['median_ms'] - 1:+.1%})")
+        for kind in dilocods:
             d, b = pair[kind]["summary"], pair[before_key(kind)]["summary"]
             parts.append(
                 f"{kind} {d['median_ms']:.2f} ms ({d['median_ms'] / a['median_ms'] - 1:+.1%}; "
@@ -521,7 +619,7 @@ def measure_placement(
         print(f"{head}, {line}", file=sys.stderr)
         pairs.append(pair)
     shape = {"batch": config["batch"], "tokens_per_step": config["batch"] * SEQ}
-    return shape | aggregate(name, pairs, kinds)
+    return shape | aggregate(name, pairs, baselines, dilocods)
 
 
 def check_split(placement: list[list[Any]] | None, others: int) -> None:
@@ -564,9 +662,11 @@ def bootstrap_interval(pairs: list[dict[str, Any]], kind: str, baseline: str = "
     return [ratios[int(0.025 * len(ratios))], ratios[int(0.975 * len(ratios)) - 1]]
 
 
-def aggregate(name: str, pairs: list[dict[str, Any]], kinds: list[str]) -> dict[str, Any]:
+def aggregate(
+    name: str, pairs: list[dict[str, Any]], baselines: list[str], dilocods: list[str]
+) -> dict[str, Any]:
     pooled: dict[str, dict[str, Any]] = {}
-    for kind in [*kinds, *(before_key(k) for k in kinds[1:])]:
+    for kind in [*baselines, *dilocods, *(before_key(k) for k in dilocods)]:
         intervals = [x for p in pairs for x in p[kind]["times"]["intervals_s"]]
         work = [x for p in pairs for x in p[kind]["times"]["work_s"]]
         summaries = [p[kind]["summary"] for p in pairs]
@@ -580,12 +680,19 @@ def aggregate(name: str, pairs: list[dict[str, Any]], kinds: list[str]) -> dict[
             "process_cores": statistics.fmean(s["process_cores"] for s in summaries),
             "training_thread_cores": statistics.fmean(s["training_thread_cores"] for s in summaries),
         }
-        if kind in kinds[1:]:
+        if kind in dilocods or kind == BESIDE:
             pooled[kind]["rounds_merged"] = sum(s["rounds_merged"] for s in summaries)
             pooled[kind]["syncer_cores"] = statistics.fmean(s.get("syncer_cores", 0.0) for s in summaries)
     a = pooled["alone"]
     out: dict[str, Any] = {"placement": name, **pooled}
-    for kind in kinds[1:]:
+    if BESIDE in baselines:
+        # What dilocod's work on the other core alone costs the step (none of it in this process).
+        out[f"slowdown_median_{BESIDE}"] = pooled[BESIDE]["median_ms"] / a["median_ms"] - 1
+        out[f"slowdown_median_per_pair_{BESIDE}"] = [
+            p[BESIDE]["summary"]["median_ms"] / p["alone"]["summary"]["median_ms"] - 1 for p in pairs
+        ]
+        out[f"slowdown_median_ci95_{BESIDE}"] = bootstrap_interval(pairs, BESIDE)
+    for kind in dilocods:
         d = pooled[kind]
         out[f"overhead_median_{kind}"] = d["median_ms"] / a["median_ms"] - 1
         out[f"overhead_p90_{kind}"] = d["p90_ms"] / a["p90_ms"] - 1
@@ -600,6 +707,10 @@ def aggregate(name: str, pairs: list[dict[str, Any]], kinds: list[str]) -> dict[
             p[kind]["summary"]["median_ms"] / p[before_key(kind)]["summary"]["median_ms"] - 1 for p in pairs
         ]
         out[f"overhead_median_same_process_ci95_{kind}"] = bootstrap_interval(pairs, kind, before_key(kind))
+        if BESIDE in baselines:
+            # Against the alone process beside the same other-core work: the training process's share.
+            out[f"overhead_median_beside_{kind}"] = d["median_ms"] / pooled[BESIDE]["median_ms"] - 1
+            out[f"overhead_median_beside_ci95_{kind}"] = bootstrap_interval(pairs, kind, BESIDE)
     out["pairs"] = [{k: p[k]["summary"] for k in p} for p in pairs]
     return out
 
@@ -638,6 +749,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="where the learner runs its link to the syncer, each measured beside the same alone "
         "runs (default: process,thread; process is the learner's default)",
     )
+    parser.add_argument(
+        "--beside",
+        action="store_true",
+        help="split only: also run the alone process on CPU 0 while a syncer and a learner whose "
+        "steps sleep do a run's work on CPU 1, to split the overhead into what that other-core work "
+        "costs the step and what the training process itself pays",
+    )
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write the numbers")
     args = parser.parse_args(argv)
     args.placements = [p.strip() for p in args.placements.split(",") if p.strip()]
@@ -653,6 +771,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     unknown = set(args.placements) - {"shared", "pinned", "split"}
     if unknown:
         parser.error(f"unknown placement(s): {', '.join(sorted(unknown))}")
+    if args.beside and args.placements != ["split"]:
+        parser.error("--beside goes with --placements split alone")
     if any(p != "shared" for p in args.placements) and not {0, 1} <= os.sched_getaffinity(0):
         parser.error("pinned and split need CPUs 0 and 1")
     return args
@@ -706,6 +826,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.json.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     for r in results:
         a = r["alone"]
+        if BESIDE in r:
+            slowdown, ci = r[f"slowdown_median_{BESIDE}"], r[f"slowdown_median_ci95_{BESIDE}"]
+            print(
+                f"{r['placement']:>6} batch {r['batch']}: alone beside dilocod's other-core work "
+                f"{r[BESIDE]['median_ms']:.2f} ms, slowdown {slowdown:+.2%}{interval(ci)}"
+            )
         for kind in (k for k in r if k.startswith("dilocod-") and ":" not in k):
             d, b = r[kind], r[before_key(kind)]
             overhead, ci = r[f"overhead_median_{kind}"], r[f"overhead_median_ci95_{kind}"]
@@ -722,6 +848,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"overhead {same:+.2%}{interval(same_ci)} | "
                 f"rounds merged {d['rounds_merged']}"
             )
+            if BESIDE in r:
+                beside, beside_ci = (
+                    r[f"overhead_median_beside_{kind}"],
+                    r[f"overhead_median_beside_ci95_{kind}"],
+                )
+                print(
+                    f"{'':>6} {kind} against alone beside the same work: {beside:+.2%}{interval(beside_ci)}"
+                )
     return 0
 
 

@@ -49,8 +49,15 @@ since the syncer here shares the two cores with the learner, which it never does
   before the measured window, for threads started since); each run records where every thread
   was allowed to run after its last step, and a run where that is not so is an error. Where a
   process builds its model matters here: the alone loop started on CPU 1 and moved to CPU 0 after
-  building its model ran 3.7 % slower than one started on CPU 0 (bench/RESULTS.md §5,
-  bench/launch_cpu.py).
+  building its model ran 1.7 to 3.2 % slower (medians of 20 rounds, two runs) than one started on
+  CPU 0 (bench/RESULTS.md §5, bench/launch_cpu.py).
+
+With --beside (split only), each round also runs the alone process on CPU 0 while a fresh syncer
+and a learner whose steps only sleep (the entry's sleeping_step: the same fragments, pushes and
+merges at the alone step's rate, nothing trained) run on CPU 1, started before it and past their
+warm-up. Against that baseline the other core does the same work as in a dilocod run, so the
+overhead splits into what that work costs the step (alone-beside against alone) and what the
+training process itself pays (dilocod against alone-beside).
 
 It measures and records; it asserts nothing. Run from the repository root:
 ``python bench/learner_overhead.py [--steps 300] [--params 2500000] [--json FILE]``.

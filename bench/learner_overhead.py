@@ -303,9 +303,15 @@ def make_trainer(ctx):
     if CONFIG.get("times_before"):  # set for the learner's runs only
         # The same loop alone in this very process, before dilocod connects anywhere (it loads the
         # entry first): the process's own heap and layout on both sides of the comparison.
+        initial = {name: tensor.clone() for name, tensor in model.state_dict().items()}
         before = Recorder(CONFIG["times_before"])
         for _ in range(before.warmup + before.steps):
             timed_step(before)
+        # dilocod then trains from where the alone process starts: the heal restores only the
+        # parameters, and AdamW's moments from these steps would not fit them.
+        model.load_state_dict(initial)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        generator.manual_seed(ctx.seed)
     return dilocod.Trainer(model=model, optimizer=optimizer, step=step)
 
 

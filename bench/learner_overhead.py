@@ -692,6 +692,10 @@ def aggregate(
             "between_mean_ms": statistics.fmean(i - w for i, w in zip(intervals, work, strict=True)) * 1e3,
             "process_cores": statistics.fmean(s["process_cores"] for s in summaries),
             "training_thread_cores": statistics.fmean(s["training_thread_cores"] for s in summaries),
+            # The loss over the window: each kind must train as the alone loop does (a run that
+            # diverges, or starts from the wrong state, could be timing other work).
+            "loss_start_median": statistics.median(s["loss_start"] for s in summaries),
+            "loss_end_median": statistics.median(s["loss_end"] for s in summaries),
         }
         if kind in dilocods or kind == BESIDE:
             pooled[kind]["rounds_merged"] = sum(s["rounds_merged"] for s in summaries)
@@ -859,7 +863,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"overhead {overhead:+.2%}{interval(ci)} | "
                 f"alone in the same process {b['median_ms']:.2f} ms, "
                 f"overhead {same:+.2%}{interval(same_ci)} | "
-                f"rounds merged {d['rounds_merged']}"
+                f"rounds merged {d['rounds_merged']} | loss over the window: alone "
+                f"{a['loss_start_median']:.3f} to {a['loss_end_median']:.3f}, {kind} "
+                f"{d['loss_start_median']:.3f} to {d['loss_end_median']:.3f}"
             )
             if BESIDE in r:
                 beside, beside_ci = (

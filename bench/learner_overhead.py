@@ -17,7 +17,8 @@ The same entry's Trainer.step is run alone and under dilocod, each in its own ch
 
 Each learner process also runs the alone loop itself before dilocod starts: the entry's factory
 (called before the learner connects anywhere) trains --warmup + --steps steps in a plain loop and
-records them, then hands dilocod the trainer. That baseline shares the learner process's heap and
+records them, then hands dilocod the trainer as the alone process starts it (the parameters put
+back, a fresh AdamW, the data generator reseeded). That baseline shares the learner process's heap and
 memory layout, which separate processes of the same loop do not (they differ by a few percent on
 this host), and runs seconds before the dilocod steps it is compared with; the separate alone
 process stays the headline's baseline.

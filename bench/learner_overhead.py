@@ -234,7 +234,6 @@ class Recorder:
         self.last_end = None
         self.intervals, self.work = [], []
         self.window = {}
-        self.losses = []
         self.extra = {}
 
     def end_of_step(self, started, loss):
@@ -424,6 +423,24 @@ def start_syncer(entry_dir: Path, work: Path, cpus: set[int] | None) -> tuple[su
     return process, int(ready["port"])
 
 
+def learner_command(port: int, learner_id: str, seed: int) -> list[str]:
+    """`dilocod learner` against the syncer on port, with the benchmark's entry, on the CPU."""
+    command = [sys.executable, "-m", "dilocod", "learner", "--syncer", f"127.0.0.1:{port}", "--insecure"]
+    return [*command, "--entry", ENTRY, "--id", learner_id, "--device", "cpu", "--seed", str(seed)]
+
+
+def stop(process: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM (the daemons save and leave on it), then SIGKILL after 60 s; nothing if it has exited."""
+    if process is None or process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def run_under_dilocod(
     entry_dir: Path,
     work: Path,
@@ -435,10 +452,8 @@ def run_under_dilocod(
     syncer, port = start_syncer(entry_dir, work, syncer_cpus)
     try:
         write_config(entry_dir, {**config, "syncer_pid": syncer.pid})
-        command = [sys.executable, "-m", "dilocod", "learner", "--syncer", f"127.0.0.1:{port}", "--insecure"]
-        command += ["--entry", ENTRY, "--id", "bench", "--device", "cpu"]
-        command += ["--steps", str(config["warmup"] + config["steps"]), "--seed", str(config["seed"])]
-        command += ["--network", config["network"]]
+        command = learner_command(port, "bench", config["seed"])
+        command += ["--steps", str(config["warmup"] + config["steps"]), "--network", config["network"]]
         with (work / "learner.stderr").open("wb") as stderr, children_on(learner_cpus):
             learner = subprocess.Popen(
                 command, env=child_env(entry_dir), stdout=subprocess.DEVNULL, stderr=stderr, cwd=entry_dir
@@ -447,12 +462,7 @@ def run_under_dilocod(
             log = (work / "learner.stderr").read_text(errors="replace")
             raise RuntimeError(f"the learner exited with {learner.returncode}: {log}")
     finally:
-        syncer.send_signal(signal.SIGTERM)
-        try:
-            syncer.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            syncer.kill()
-            syncer.wait()
+        stop(syncer)
     return {
         "syncer": records(work / "syncer.stderr"),
         "learner": records(work / "learner.stderr"),
@@ -471,8 +481,7 @@ def run_beside(entry_dir: Path, work: Path, config: dict[str, Any], step_s: floa
     try:
         sleeping = {"syncer_pid": None, "sleep_step_s": step_s, "ready_fd": ready_write}
         write_config(entry_dir, {**config, **sleeping})
-        command = [sys.executable, "-m", "dilocod", "learner", "--syncer", f"127.0.0.1:{port}", "--insecure"]
-        command += ["--entry", ENTRY, "--id", "beside", "--device", "cpu", "--seed", str(config["seed"])]
+        command = learner_command(port, "beside", config["seed"])
         with (work / "learner.stderr").open("wb") as stderr, children_on({1}):
             learner = subprocess.Popen(
                 command,
@@ -496,15 +505,8 @@ def run_beside(entry_dir: Path, work: Path, config: dict[str, Any], step_s: floa
         os.close(ready_read)
         if ready_write >= 0:
             os.close(ready_write)
-        for process in (learner, syncer):
-            if process is None:
-                continue
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop(learner)
+        stop(syncer)
     return {"syncer": records(work / "syncer.stderr"), "learner": records(work / "learner.stderr")}
 
 

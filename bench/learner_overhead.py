@@ -450,6 +450,7 @@ def run_under_dilocod(
 ) -> dict[str, Any]:
     write_config(entry_dir, {**config, "syncer_pid": None})  # the syncer reads it too
     syncer, port = start_syncer(entry_dir, work, syncer_cpus)
+    learner: subprocess.Popen[bytes] | None = None
     try:
         write_config(entry_dir, {**config, "syncer_pid": syncer.pid})
         command = learner_command(port, "bench", config["seed"])
@@ -462,6 +463,7 @@ def run_under_dilocod(
             log = (work / "learner.stderr").read_text(errors="replace")
             raise RuntimeError(f"the learner exited with {learner.returncode}: {log}")
     finally:
+        stop(learner)  # one that outran RUN_TIMEOUT_S
         stop(syncer)
     return {
         "syncer": records(work / "syncer.stderr"),

@@ -55,7 +55,7 @@ PARTS: tuple[tuple[str, str, str | None, str, bool], ...] = (
     ("    msgpack.unpackb", "msgpack", None, "unpackb", True),
     ("  decode a control", "dilocod.learner.netproc", None, "control_from_raw", True),
     ("apply an update", "dilocod.learner.runtime", "TrainingLoop", "_apply", False),
-    ("  overwrite_", "dilocod.learner.runtime", None, "overwrite_", True),
+    ("  apply_update_", "dilocod.learner.runtime", None, "apply_update_", True),
     ("copy a fragment out", "dilocod.learner.runtime", "TrainingLoop", "_snapshot", False),
     ("  HostCopier.copy_out", "dilocod.learner.runtime", "HostCopier", "copy_out", True),
     ("both: Tensor.copy_", "torch", "Tensor", "copy_", True),

@@ -28,7 +28,6 @@ import functools
 import json
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -162,27 +161,14 @@ def summarise(boundaries: list[dict[str, Any]], measured: int, detail: bool) -> 
 def run_once(entry_dir: Path, work: Path, base: dict[str, Any], index: int, detail: bool) -> dict[str, Any]:
     times = work / f"times-{index}.json"
     parts_path = work / f"parts-{index}.json"
-    config = {**base, "times": str(times), "others_cpu": 1, "syncer_pid": None}
-    lo.write_config(entry_dir, config)
-    syncer, port = lo.start_syncer(entry_dir, work, {1})
-    learner: subprocess.Popen[bytes] | None = None
-    try:
-        lo.write_config(entry_dir, {**config, "syncer_pid": syncer.pid})
-        command = lo.learner_command(port, f"profile-{index}", base["seed"])
-        command += ["--steps", str(base["warmup"] + base["steps"]), "--network", "process"]
-        # The same command, through this script: python -m dilocod ... becomes python this --inside.
+    config = {**base, "times": str(times), "others_cpu": 1, "network": "process"}
+
+    def through_this_script(command: list[str]) -> list[str]:
+        # python -m dilocod learner ... becomes python <this script> --inside PARTS DETAIL learner ...
         here = str(Path(__file__).resolve())
-        command = [sys.executable, here, "--inside", str(parts_path), str(int(detail)), *command[3:]]
-        with (work / "learner.stderr").open("wb") as stderr, lo.children_on({0}):
-            learner = subprocess.Popen(
-                command, env=lo.child_env(entry_dir), stdout=subprocess.DEVNULL, stderr=stderr, cwd=entry_dir
-            )
-        if learner.wait(timeout=lo.RUN_TIMEOUT_S) != 0:
-            log = (work / "learner.stderr").read_text(errors="replace")
-            raise RuntimeError(f"the learner exited with {learner.returncode}: {log}")
-    finally:
-        lo.stop(learner)
-        lo.stop(syncer)
+        return [sys.executable, here, "--inside", str(parts_path), str(int(detail)), *command[3:]]
+
+    lo.run_under_dilocod(entry_dir, work, config, {0}, {1}, launch=through_this_script)
     recorded = json.loads(times.read_text())
     lo.check_split(recorded.get("placement"), 1)
     summary = summarise(json.loads(parts_path.read_text()), base["steps"], detail)
@@ -214,18 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["--inside"]:
         return inside(argv[1], argv[2] == "1", argv[3:])
     args = parse_args(argv)
-    width = lo.width_for(2_500_000)
-    base = {
-        "width": width,
-        "layers": lo.LAYERS,
-        "vocab": lo.VOCAB,
-        "seq": lo.SEQ,
-        "batch": args.batch,
-        "warmup": args.warmup,
-        "steps": args.steps,
-        "torch_threads": 1,
-        "seed": 0,
-    }
+    base = lo.entry_config(args.batch, args.warmup, args.steps)
     machine = machine_facts("dilocod")
     started = time.monotonic()
     runs = []

@@ -74,17 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not {0, 1} <= os.sched_getaffinity(0):
         parser.error("needs CPUs 0 and 1")
-    base = {
-        "width": lo.width_for(2_500_000),
-        "layers": lo.LAYERS,
-        "vocab": lo.VOCAB,
-        "seq": lo.SEQ,
-        "batch": args.batch,
-        "warmup": args.warmup,
-        "steps": args.steps,
-        "torch_threads": 1,
-        "seed": 0,
-    }
+    base = lo.entry_config(args.batch, args.warmup, args.steps)
     facts = machine_facts()  # before the runs: it records the load average at the start
     kinds = list(KINDS)
     medians: dict[str, list[float]] = {kind: [] for kind in kinds}

@@ -81,7 +81,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -361,6 +361,29 @@ def param_count(d: int) -> int:
     return LAYERS * per_block + VOCAB * d + SEQ * d + 2 * d + VOCAB * d
 
 
+def entry_config(
+    batch: int | None,
+    warmup: int,
+    steps: int,
+    *,
+    params: int = 2_500_000,
+    torch_threads: int = 1,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """What the entry module reads (learner_overhead_config.json), before a run's own keys."""
+    config = {
+        "width": width_for(params),
+        "layers": LAYERS,
+        "vocab": VOCAB,
+        "seq": SEQ,
+        "warmup": warmup,
+        "steps": steps,
+        "torch_threads": torch_threads,
+        "seed": seed,
+    }
+    return config if batch is None else {**config, "batch": batch}
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     position = (len(ordered) - 1) * q
@@ -447,7 +470,10 @@ def run_under_dilocod(
     config: dict[str, Any],
     learner_cpus: set[int] | None,
     syncer_cpus: set[int] | None,
+    launch: Callable[[list[str]], list[str]] | None = None,
 ) -> dict[str, Any]:
+    """One `dilocod learner` run against a fresh syncer; `launch` may rewrite the learner's command
+    (bench/boundary_profile.py starts it through itself)."""
     write_config(entry_dir, {**config, "syncer_pid": None})  # the syncer reads it too
     syncer, port = start_syncer(entry_dir, work, syncer_cpus)
     learner: subprocess.Popen[bytes] | None = None
@@ -455,6 +481,8 @@ def run_under_dilocod(
         write_config(entry_dir, {**config, "syncer_pid": syncer.pid})
         command = learner_command(port, "bench", config["seed"])
         command += ["--steps", str(config["warmup"] + config["steps"]), "--network", config["network"]]
+        if launch is not None:
+            command = launch(command)
         with (work / "learner.stderr").open("wb") as stderr, children_on(learner_cpus):
             learner = subprocess.Popen(
                 command, env=child_env(entry_dir), stdout=subprocess.DEVNULL, stderr=stderr, cwd=entry_dir
@@ -803,16 +831,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     width = width_for(args.params)
-    base = {
-        "width": width,
-        "layers": LAYERS,
-        "vocab": VOCAB,
-        "seq": SEQ,
-        "warmup": args.warmup,
-        "steps": args.steps,
-        "torch_threads": args.torch_threads,
-        "seed": args.seed,
-    }
+    base = entry_config(
+        None, args.warmup, args.steps, params=args.params, torch_threads=args.torch_threads, seed=args.seed
+    )
     machine = machine_facts("dilocod")
     started = time.monotonic()
     results = []

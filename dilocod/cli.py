@@ -624,7 +624,11 @@ def export(state_dir: Path, out: Path) -> None:
     "--join-timeout-s", help="How long to wait for the first heal before training anyway.  [default: 60]"
 )
 @click.option("--progress-every-s", help="Seconds between progress lines.  [default: 5]")
-@click.option("--seed", help="Seed handed to the factory.  [default: 0]")
+@click.option(
+    "--seed",
+    help="Seed handed to the factory (ctx.seed).  [default: derived from --id (31 bits of its "
+    "SHA-256): different per learner, the same across restarts of one id and on every rank]",
+)
 @click.option("--uvloop/--no-uvloop", default=True, show_default=True, help="Use uvloop if installed.")
 def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: Any) -> None:
     """Train with your own step function and sync with the syncer without ever waiting on it.
@@ -636,7 +640,7 @@ def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: An
     heals from the syncer after any restart. Every flag is also a key of the --config TOML file;
     flags win. SIGTERM saves the local state and exits.
     """
-    from dilocod.config import LEARNER_FIELDS, LearnerConfig, load_config  # noqa: PLC0415
+    from dilocod.config import LEARNER_FIELDS, LearnerConfig, learner_seed, load_config  # noqa: PLC0415
     from dilocod.ops.logging import configure_logging  # noqa: PLC0415
 
     config = _parsed(lambda: load_config(LearnerConfig, LEARNER_FIELDS, config_file, {**flags, "id": id_}))
@@ -693,7 +697,7 @@ def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: An
             join_timeout_s=config.join_timeout_s,
         ),
         device=device,
-        seed=config.seed,
+        seed=config.seed if config.seed is not None else learner_seed(config.id),
         use_uvloop=uvloop,
         island=island,
         network=config.network,

@@ -4,6 +4,7 @@ environment. Must stay cheap to import (no torch)."""
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import math
 import re
@@ -300,7 +301,6 @@ SYNCER_FIELDS: dict[str, Parse] = {
     "chunk": _size,
     "codec": _text(WIRE_CODECS),
     "seed": _integer(0, 2**63 - 1),
-    "network": _text(("process", "thread")),
 }
 
 
@@ -376,7 +376,8 @@ class LearnerConfig:
     save_every_s: float = 300.0
     join_timeout_s: float = 60.0
     progress_every_s: float = 5.0
-    seed: int = 0
+    #: None: learner_seed(id), so that every learner reads different data (an explicit seed wins).
+    seed: int | None = None
     #: Where the link to the syncer runs: "process" (a child process, so its CPU time and the GIL
     #: stay off the training thread) or "thread" (in this process, on its own event-loop thread).
     network: str = "process"
@@ -406,3 +407,11 @@ LEARNER_FIELDS: dict[str, Parse] = {
     "seed": _integer(0, 2**63 - 1),
     "network": _text(("process", "thread")),
 }
+
+
+def learner_seed(learner_id: str) -> int:
+    """The default seed of a learner: the first 31 bits of SHA-256 of its id. Different ids read
+    different data, a restart of one id reads the same (unlike hash(), which is salted per
+    process), and 31 bits fit every RNG's seed (numpy's legacy seed takes < 2**32)."""
+    digest = hashlib.sha256(learner_id.encode()).digest()
+    return int.from_bytes(digest[:4], "big") >> 1

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     import ssl
 
     from dilocod.linkbench.client import RunPlan
+    from dilocod.syncer.checkpoint import ExportedCheckpoint
 
 CODEC_CHOICES = ("none", "lz4", "zstd")
 
@@ -567,15 +568,35 @@ def syncer(config_file: Path | None, ready_json: bool, uvloop: bool, **flags: An
 )
 def export(state_dir: Path, out: Path) -> None:
     """Write the global model of the newest checkpoint as one safetensors file keyed by parameter
-    name (float32), loadable with safetensors.torch.load_file and model.load_state_dict."""
-    from dilocod.syncer.checkpoint import CheckpointError, export_model  # noqa: PLC0415
+    name (float32), loadable with safetensors.torch.load_file and model.load_state_dict. Creates
+    the folder of --out if missing, and says which checkpoint it wrote."""
+    from dilocod.syncer.checkpoint import CheckpointError, export_newest  # noqa: PLC0415
 
     try:
-        export_model(state_dir, out)
+        exported = export_newest(state_dir, out)
     except CheckpointError as exc:
         click.echo(f"dilocod export: {exc}", err=True)
         sys.exit(1)
-    click.echo(f"wrote {out}", err=True)
+    except OSError as exc:
+        click.echo(f"dilocod export: cannot write {out}: {exc.strerror or exc}", err=True)
+        sys.exit(1)
+    click.echo(_exported_line(exported), err=True)
+
+
+def _exported_line(exported: ExportedCheckpoint) -> str:
+    """'wrote OUT from checkpoint 42 (saved ..., N min ago), fragment versions 3..10 (sum 120)'."""
+    import datetime  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    saved = datetime.datetime.fromtimestamp(exported.saved_at_unix_s).astimezone()
+    age_min = max(0.0, time.time() - exported.saved_at_unix_s) / 60
+    versions = exported.versions
+    span = f"{min(versions)}..{max(versions)} (sum {sum(versions)})" if versions else "none"
+    return (
+        f"wrote {exported.path} from checkpoint {exported.sequence} "
+        f"(saved {saved.isoformat(sep=' ', timespec='seconds')}, {age_min:.0f} min ago), "
+        f"fragment versions {span}"
+    )
 
 
 @main.command()

@@ -1,4 +1,4 @@
-"""The syncer's checkpoint store and the model export (DESIGN.md §3.5).
+"""The syncer's checkpoint store and the model export (docs/design.md §3.5).
 
 Owns the on-disk layout under a state directory:
 
@@ -483,18 +483,37 @@ def _read_tensor_file(path: Path, names: list[str]) -> dict[str, torch.Tensor]:
 # --- export -----------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class ExportedCheckpoint:
+    """What `export_newest` wrote, and from which checkpoint (for the person who asked)."""
+
+    path: Path
+    sequence: int
+    #: The fragment versions of the exported model, in fragment order.
+    versions: tuple[int, ...]
+    saved_at_unix_s: float
+
+
 def export_model(state_dir: Path, out: Path) -> Path:
+    """export_newest, returning only the path written."""
+    return export_newest(state_dir, out).path
+
+
+def export_newest(state_dir: Path, out: Path) -> ExportedCheckpoint:
     """Write the global model of the newest usable checkpoint to `out`: one safetensors file keyed
-    by parameter name. Atomic: `out` is either the old file or the whole new one.
+    by parameter name. Atomic: `out` is either the old file or the whole new one. A missing parent
+    folder of `out` is created (once a checkpoint is known to exist).
 
     The checkpoint's model file already has that form, so it is copied (constant memory) and its
     digest checked on the way; a damaged checkpoint is passed over for the previous one. Raises
-    NoCheckpointError when there is none, DamagedCheckpointsError when none is usable.
+    NoCheckpointError when there is none, DamagedCheckpointsError when none is usable, OSError
+    when `out` cannot be written.
     """
     state_dir, out = Path(state_dir), Path(out)
     candidates = _final_dirs(state_dir / CHECKPOINTS_DIR)
     if not candidates:
         raise NoCheckpointError(state_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
     skipped: list[SkippedCheckpoint] = []
     for sequence, path in candidates:
         temp = out.with_name(f".{out.name}.tmp-{secrets.token_hex(4)}")
@@ -508,7 +527,9 @@ def export_model(state_dir: Path, out: Path) -> Path:
         finally:
             temp.unlink(missing_ok=True)
         _fsync_dir(out.parent)
-        return out
+        return ExportedCheckpoint(
+            out, sequence, tuple(document["versions"]), float(document["saved_at_unix_s"])
+        )
     raise DamagedCheckpointsError(state_dir, tuple(skipped))
 
 

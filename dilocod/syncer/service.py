@@ -31,6 +31,7 @@ from dilocod.precision import PRECISIONS, decode, precision_of
 from dilocod.syncer.checkpoint import SyncerState, save_checkpoint
 from dilocod.syncer.model import GlobalModel, Snapshot, first_mismatch
 from dilocod.syncer.rounds import Action, Merge, Push, Refusal, Release, Request, Rounds
+from dilocod.syncer.steprate import StepRates
 from dilocod.transport.endpoints import Server
 from dilocod.transport.errors import SessionClosed, TransferFailed
 from dilocod.transport.options import TransportOptions
@@ -112,6 +113,7 @@ class SyncerService:
         self.checkpoints_written = 0
         self.last_checkpoint: Path | None = None
         self.started_at = clock()
+        self.step_rates = StepRates()
         self._specs = [model.specs[name] for name in model.order]
         self._push_buffers: dict[tuple[str, int], tuple[Push, memoryview]] = {}
         self._push_precision: dict[tuple[str, int], str] = {}
@@ -344,6 +346,7 @@ class SyncerService:
         now = self.clock()
         if isinstance(item, StepReport):
             if peer.joined:
+                self.step_rates.record(peer.learner, now)
                 self._apply(
                     self.rounds.step(peer.learner, item.tokens, item.step_time_s, now, local_step=item.step)
                 )
@@ -640,6 +643,7 @@ class SyncerService:
                 {"index": s.index, "version": s.current.version if s.current else s.version}
                 for s in self.model.fragments
             ],
+            "steps_per_s_window_s": round(self.step_rates.window_s),
             "learners": [
                 {
                     "id": r.learner,
@@ -647,7 +651,10 @@ class SyncerService:
                     "live": r.live,
                     "contributions": r.contributions,
                     "weight_share": round(r.weight_total / total_weight, 6),
-                    "steps_per_s": round(r.steps_per_s, 4),
+                    # Throughput: step reports over the last steps_per_s_window_s of wall time.
+                    "steps_per_s": round(self.step_rates.rate(r.learner, now), 4),
+                    # The mean reported step time (the step alone, not what happens between steps).
+                    "step_time_s": round(r.step_time.value or 0.0, 6),
                     "steps": r.steps,
                     "step": r.local_step,
                     "tokens": r.tokens,
@@ -667,6 +674,8 @@ class SyncerService:
             "rejected_pushes": sum(rounds.rejected.values()),
             "rejected_by_reason": dict(rounds.rejected),
             "checkpoints_written": self.checkpoints_written,
+            # Session handlers that failed by a bug of their own (logged with the traceback).
+            "handler_errors": self._server.handler_errors if self._server is not None else 0,
             "loop_lag_ms": _quantiles(self._lag_ms),
             "last_checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
         }

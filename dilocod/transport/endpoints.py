@@ -2,7 +2,9 @@
 
 connect() opens a session (control connection, then N data connections that name it);
 Server accepts connections, authenticates each on its own, groups data connections under their
-session, and runs one handler task per session in its TaskGroup.
+session, and runs one handler task per session in its TaskGroup. A handler that ends because its
+peer left is the normal end of a session; one that fails with its own bug is logged and counted
+here, the one place every server's handlers end.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 
-from dilocod.transport.errors import HandshakeFailed, SessionClosed
+import structlog
+
+from dilocod.transport.errors import HandshakeFailed
 from dilocod.transport.options import TransportOptions
 from dilocod.transport.protocol import FrameProtocol
 from dilocod.transport.session import Session
@@ -27,6 +31,17 @@ from dilocod.wire.stream import Allocate
 
 CAPABILITIES = ("lz4", "zstd", "shuffle")
 Handler = Callable[[Session], Awaitable[None]]
+
+log = structlog.get_logger("dilocod.transport")
+
+
+def is_departure(exc: BaseException) -> bool:
+    """Whether a handler ended because its session's connection went away (SessionClosed, or a
+    connection lost under a write), rather than by a bug of its own. A handler that runs a task
+    group gets every such error wrapped in an ExceptionGroup: a departure when all of them are."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(is_departure(inner) for inner in exc.exceptions)
+    return isinstance(exc, ConnectionError)
 
 
 def _executor(options: TransportOptions) -> ThreadPoolExecutor:
@@ -136,8 +151,9 @@ class Server:
     """Accepts sessions and runs `handler(session)` for each, concurrently, until closed.
 
     Use as `async with Server(...) as server:`; handlers are cancelled when the block exits.
-    A handler's exception closes its own session and is kept in `handler_errors`; it never
-    disturbs other sessions.
+    A handler's exception closes its own session and never disturbs other sessions: a departure
+    of its peer (is_departure) is how sessions end; any other exception is a bug in the handler,
+    logged with its traceback and counted in `handler_errors`.
     """
 
     def __init__(
@@ -158,7 +174,8 @@ class Server:
         self.options = options or TransportOptions()
         self.limits = limits
         self.sessions: dict[bytes, Session] = {}
-        self.handler_errors: list[BaseException] = []
+        #: Handlers that failed with an exception of their own (not their peer's departure).
+        self.handler_errors = 0
         self.rejected_connections = 0
         self._secret = secret
         self._ssl = ssl
@@ -238,10 +255,16 @@ class Server:
             await self.handler(session)
         except asyncio.CancelledError:
             raise
-        except SessionClosed:
-            pass  # the peer left or the server is closing: the normal end of a handler
         except Exception as exc:  # a handler's bug closes its session, never the server
-            self.handler_errors.append(exc)
+            if not is_departure(exc):  # else the peer left or the server is closing: normal
+                self.handler_errors += 1
+                log.error(
+                    "session handler failed",
+                    peer=session.peer.peer_id,
+                    role=session.peer.role,
+                    error=repr(exc),
+                    exc_info=exc,
+                )
         finally:
             self.sessions.pop(session.session_id, None)
             await session.close("session ended")

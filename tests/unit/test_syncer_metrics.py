@@ -1,0 +1,35 @@
+"""The syncer's /metrics page rendered from its status: session handlers that failed by a bug of
+their own are counted (a departure never is: tests/integration/test_handler_errors.py)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from dilocod.syncer.metrics import render_syncer_metrics
+
+
+def _status(**changes: Any) -> dict[str, Any]:
+    status: dict[str, Any] = {
+        "uptime_s": 12.5,
+        "clock": 40,
+        "fragments": [{"index": 0, "version": 3}],
+        "learners": [],
+        "rounds_merged": 3,
+        "rounds_abandoned": 0,
+        "quorum_sizes": {},
+        "grace_waited_s": 0.0,
+        "bytes_in": 0,
+        "bytes_out": 0,
+        "rejected_by_reason": {},
+        "checkpoints_written": 1,
+        "handler_errors": 0,
+        "loop_lag_ms": {"p50": 0.1, "p99": 0.5, "max": 1.0},
+    }
+    return {**status, **changes}
+
+
+def test_handler_errors_are_a_counter() -> None:
+    text = render_syncer_metrics(_status(handler_errors=2))
+    assert "# TYPE dilocod_session_handler_errors_total counter" in text
+    assert re.search(r"^dilocod_session_handler_errors_total 2$", text, re.MULTILINE)

@@ -377,7 +377,7 @@ def interpretation(rows: Sequence[Row], components: dict[str, dict[str, float]])
         best = max((zstd_off, zstd_on, lz4_off, lz4_on), key=lambda r: r.ratio)
         notes.append(
             f"**{dtype}**: zstd-1 gives {zstd_off.ratio:.3f}x without shuffle and {zstd_on.ratio:.3f}x "
-            f"with shuffle {item} (DESIGN §4.1 expects about {expected[dtype]}x); lz4 gives "
+            f"with shuffle {item} (docs/design.md §4.1 expects about {expected[dtype]}x); lz4 gives "
             f"{lz4_off.ratio:.3f}x / {lz4_on.ratio:.3f}x. Shuffle changes the zstd ratio by "
             f"{(zstd_on.ratio / zstd_off.ratio - 1) * 100:+.1f}% and its one-thread compress rate from "
             f"{zstd_off.compress_mbps:,.0f} to {zstd_on.compress_mbps:,.0f} MB/s. Best ratio: "
@@ -480,7 +480,7 @@ Produced by `bench/codecs.py`; rerun it to refresh this file.
   payload bytes, a chunk that fell back to `none` counted at its raw size. The `none` rows are the
   floor: compress returns the buffer itself, and its decompress is a copy plus the checksum.
   The JSON also records minor page faults per MiB of raw data for each row: compress, shuffle and
-  unshuffle allocate per chunk, and page faults are expensive on these VMs (DESIGN §4.1).
+  unshuffle allocate per chunk, and page faults are expensive on these VMs (docs/design.md §4.1).
 - Training took {training.train_s:.1f} s; the whole run {total_s:.1f} s.
 
 ## Machine

@@ -31,7 +31,7 @@ N / (FAILURE_DOMAIN_CHIPS x MTBI_CHIP_S) interruptions per second, each on a uni
 the superposition of one exponential clock per host, drawn as one stream. Only the products of
 that rate with the time constants matter: doubling FAILURE_DOMAIN_CHIPS is the same as halving
 every recovery time. Every parameter below says what it models and where its value comes from;
-"assumption" means ours, not the paper's (DESIGN.md §3.7 gives only the fleet sizes, the MTBI and
+"assumption" means ours, not the paper's (docs/design.md §3.7 gives only the fleet sizes, the MTBI and
 the published goodputs).
 
 Closed forms (λ the interruption rate of the unit, D its recovery time):
@@ -67,7 +67,7 @@ SECONDS_PER_DAY = 86_400.0
 
 # --- The fleet and its failures -------------------------------------------------------------------
 
-# Mean time between interruptions seen by one chip: one year (DESIGN.md §3.7, the paper's figure).
+# Mean time between interruptions seen by one chip: one year (docs/design.md §3.7, the paper's figure).
 MTBI_CHIP_S = 365.0 * SECONDS_PER_DAY
 
 # Chips taken down by one interruption: a host of 4 chips (assumption: a TPU host holds 4 chips, a
@@ -85,15 +85,15 @@ DP_GROUP_CHIPS = 256
 
 # --- Training ------------------------------------------------------------------------------------
 
-# Time of one training step: 1 s (DESIGN.md §3.7 uses 1 s steps for its bandwidth figure).
+# Time of one training step: 1 s (docs/design.md §3.7 uses 1 s steps for its bandwidth figure).
 STEP_S = 1.0
 
-# H, steps between two syncs of the same fragment: 24 (DESIGN.md §3.6 default). A restarted
-# learner re-adopts every fragment from the syncer (DESIGN.md §3.5), so for each fragment it loses
+# H, steps between two syncs of the same fragment: 24 (docs/design.md §3.6 default). A restarted
+# learner re-adopts every fragment from the syncer (docs/design.md §3.5), so for each fragment it loses
 # the steps since it last adopted it: H/2 steps on average once it has run H steps.
 SYNC_EVERY_STEPS = 24
 
-# K, the minimum quorum: 1 (DESIGN.md §3.6 default). Fewer than K live islands halt the run.
+# K, the minimum quorum: 1 (docs/design.md §3.6 default). Fewer than K live islands halt the run.
 QUORUM_K = 1
 
 # --- Recovery ------------------------------------------------------------------------------------
@@ -106,7 +106,7 @@ DETECT_S = 10.0
 # interruption is known: a hot spare host swapped for the interrupted one, the job's processes
 # relaunched on every host, the runtime and its collectives initialised, and (data-parallel) the
 # state restored from in-memory snapshots held by peer hosts: 60 s. Assumption, and calibrated:
-# DESIGN.md gives no restart time; about a minute is the fast end of what hot spares and in-memory
+# docs/design.md gives no restart time; about a minute is the fast end of what hot spares and in-memory
 # state allow, and it is the round value at which Decoupled DiLoCo M = 8 lands on the paper's 88 %
 # (bench/RESULTS.md §6). Taken equal for 1.2M chips and for one island of 150k, which favours
 # data-parallel.
@@ -133,7 +133,7 @@ RECONFIG_S = 45.0
 GROUP_REPAIR_S = 60.0
 
 # Time for a restarted learner to heal: download the global model from the syncer before it trains
-# again: 32 s = 5e9 parameters x 4 bytes over 5 Gbps (DESIGN.md §3.7: a model of about 5B
+# again: 32 s = 5e9 parameters x 4 bytes over 5 Gbps (docs/design.md §3.7: a model of about 5B
 # parameters; §1: 2-5 Gbps links, the fast end).
 HEAL_S = 5e9 * 4 * 8 / 5e9
 
@@ -145,7 +145,7 @@ DEFAULT_SEEDS = 5
 DEFAULT_DAYS = 60.0
 DEFAULT_SENSITIVITY_DAYS = 20.0
 
-# The published figures at 1.2M chips (DESIGN.md §3.7).
+# The published figures at 1.2M chips (docs/design.md §3.7).
 PAPER_AT_1_2M = {"dp": 0.27, "elastic_dp": 0.58, "decoupled_8": 0.88}
 
 

@@ -244,7 +244,7 @@ WIRE_CODECS = ("none", "lz4", "zstd")
 
 @dataclass(frozen=True, slots=True)
 class SyncerConfig:
-    """`dilocod syncer`: defaults here, then a TOML file, then flags (DESIGN.md §3.6 defaults)."""
+    """`dilocod syncer`: defaults here, then a TOML file, then flags (docs/design.md §3.6 defaults)."""
 
     listen: Address = Address("0.0.0.0", DEFAULT_PORT)
     entry: str = DEFAULT_ENTRY

@@ -1,4 +1,4 @@
-"""The entry contract between dilocod and the user's training code (DESIGN.md §6).
+"""The entry contract between dilocod and the user's training code (docs/design.md §6).
 
 A user writes a factory `make_trainer(ctx: LearnerContext) -> Trainer` and names it with --entry
 (module:attr) or as an entry point in the group `dilocod.trainers`. The learner calls it once per

@@ -1,1 +1,1 @@
-"""The learner daemon: the runtime around the user's training step (DESIGN.md §3.3, §6)."""
+"""The learner daemon: the runtime around the user's training step (docs/design.md §3.3, §6)."""

@@ -1,4 +1,4 @@
-"""The outer loop's math (DESIGN.md §3): pure functions over lists of tensors.
+"""The outer loop's math (docs/design.md §3): pure functions over lists of tensors.
 
 Fragment plan and schedule, the learner's outer gradient and how it adopts a merged fragment,
 merge weights, the RDA and mean merges, the outer Nesterov step (alone, and fused with the merge

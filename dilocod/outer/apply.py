@@ -1,4 +1,4 @@
-"""How a learner adopts a merged fragment (DESIGN.md §3.3): overwrite, mix or keep-local.
+"""How a learner adopts a merged fragment (docs/design.md §3.3): overwrite, mix or keep-local.
 
 - overwrite (the paper's default): θ ← Θ_new;
 - mix (Streaming DiLoCo): θ ← alpha·θ + (1 - alpha)·Θ_new;

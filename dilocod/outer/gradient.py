@@ -1,4 +1,4 @@
-"""The outer gradient (pseudo-gradient) a learner sends: anchor - local, in float32 (DESIGN.md §3.3).
+"""The outer gradient (pseudo-gradient) a learner sends: anchor - local, in float32 (docs/design.md §3.3).
 
 Float32 whatever the model dtype: the merge and the outer optimizer run in float32, and a bf16
 difference of two nearby bf16 tensors would round away most of the step. Works on whatever device

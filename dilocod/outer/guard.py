@@ -1,4 +1,4 @@
-"""Screening an outer gradient before it is merged (DESIGN.md §3.4, late pushes and guards).
+"""Screening an outer gradient before it is merged (docs/design.md §3.4, late pushes and guards).
 
 Non-finite values, and norms above max_norm_ratio times the running median of recently accepted
 norms, are rejected: one diverged or buggy learner must not move the global model. The answer is

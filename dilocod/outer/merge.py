@@ -1,4 +1,4 @@
-"""Merging the outer gradients of one round: weighted radial-directional averaging (DESIGN.md §3.4).
+"""Merging the outer gradients of one round: weighted radial-directional averaging (docs/design.md §3.4).
 
 Per tensor, with weights w_m (learners with w_m = 0 take no part):
     n̄ = Σ w_m ‖δ_m‖ / Σ w_m,   u = Σ w_m δ_m / ‖δ_m‖ / Σ w_m,   Δ = n̄ · u / ‖u‖.

@@ -1,4 +1,4 @@
-"""The outer Nesterov step (DESIGN.md §3.4 step 4), in place and block by block.
+"""The outer Nesterov step (docs/design.md §3.4 step 4), in place and block by block.
 
     b ← μ·b + Δ;   θ ← θ - η·(Δ + μ·b)
 

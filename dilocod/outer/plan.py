@@ -1,4 +1,4 @@
-"""The fragment plan: which parameters travel together in one outer round (DESIGN.md §3.1).
+"""The fragment plan: which parameters travel together in one outer round (docs/design.md §3.1).
 
 Balanced greedy bin-packing (longest processing time first): parameters sorted by size, largest
 first, ties broken by name; each goes into the currently lightest fragment, ties to the lowest

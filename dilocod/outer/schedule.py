@@ -1,4 +1,4 @@
-"""When rounds open and which fragment each round syncs (DESIGN.md §3.2), as pure functions.
+"""When rounds open and which fragment each round syncs (docs/design.md §3.2), as pure functions.
 
 The syncer's clock g is the step count of the K-th fastest live learner: it advances when that
 learner completes a step, so K slow or dead learners never hold the others back and a single fast

@@ -1,4 +1,4 @@
-"""Merge weights of the learners in a round (DESIGN.md §3.4 step 2).
+"""Merge weights of the learners in a round (docs/design.md §3.4 step 2).
 
 w_m = c_tokens_m * (c_tokens_m / c_steps_m): the tokens a learner processed since its anchor times
 its tokens per step, so a learner that trained more, on larger batches, counts more. Normalised to

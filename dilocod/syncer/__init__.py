@@ -1,1 +1,1 @@
-"""The syncer daemon: round state machine, service glue and the checkpoint store (DESIGN.md §2, §3.5)."""
+"""The syncer daemon: round state machine, service glue and the checkpoint store (docs/design.md §2, §3.5)."""

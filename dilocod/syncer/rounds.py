@@ -1,4 +1,4 @@
-"""The syncer's round state machine (DESIGN.md §3.2 and §3.4) as a pure object with injected time.
+"""The syncer's round state machine (docs/design.md §3.2 and §3.4) as a pure object with injected time.
 
 It owns the roster (who is live, how fast each learner steps, what each contributed), the global
 clock, the versions of the fragments, and every open round: which learners were asked, which
@@ -45,7 +45,7 @@ MIN_WAIT_S = 1.0
 
 @dataclass(frozen=True, slots=True)
 class RoundConfig:
-    """The schedule's knobs (DESIGN.md §3.6 defaults)."""
+    """The schedule's knobs (docs/design.md §3.6 defaults)."""
 
     fragments: int = 24  # P
     sync_every: int = 24  # H

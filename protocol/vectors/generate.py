@@ -532,7 +532,7 @@ def _transfers() -> tuple[_Transfer, _Transfer]:
 
 def _join_and_plan() -> tuple[Join, Plan]:
     """A learner restarting after the syncer did, and the syncer's answer. The model is the four
-    tensors of the two transfers, in module order; the two fragments are what DESIGN.md §3.1's
+    tensors of the two transfers, in module order; the two fragments are what docs/design.md §3.1's
     balanced plan makes of them (the largest tensor alone, the other three together)."""
     push, update = _transfers()
     model = tuple(

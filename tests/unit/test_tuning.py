@@ -45,7 +45,7 @@ NONE = CodecFigure("none", 1.0, INF, INF)
 INCOMPRESSIBLE = [NONE, CodecFigure("lz4", 1.0, 4.0, 100.0), CodecFigure("zstd", 1.0, 3.0, 100.0)]
 #: bf16-like outer gradients: zstd reaches the entropy bound (about 1.5x), lz4 less.
 COMPRESSIBLE = [NONE, CodecFigure("lz4", 1.1, 6.0, 20.0), CodecFigure("zstd", 1.5, 3.0, 10.0)]
-#: This image's sysctls: tcp_wmem's 4 MiB maximum bounds the window (DESIGN.md 4.1).
+#: This image's sysctls: tcp_wmem's 4 MiB maximum bounds the window (docs/design.md §4.1).
 IMAGE = TcpSettings(
     "bbr", ("reno", "bbr", "cubic"), 4 * MiB, 4 * MiB, (4096, 131072, 32 * MiB), (4096, 16384, 4 * MiB)
 )

@@ -17,7 +17,7 @@ SHAPES = [(37, 5), (1000,), (3,), (2, 2, 2)]
 
 
 def reference_rda(deltas: list[torch.Tensor], weights: list[float], embedding: bool = False) -> torch.Tensor:
-    """DESIGN.md §3.4 step 3 in float64, straight from the equations."""
+    """docs/design.md §3.4 step 3 in float64, straight from the equations."""
     pairs = [(w, d.double()) for w, d in zip(weights, deltas, strict=True) if w > 0]
     total = sum(w for w, _ in pairs)
     mean = sum(w * d for w, d in pairs) / total

@@ -46,6 +46,9 @@ def format_status(status: dict[str, Any]) -> str:
         width = max((len(str(k)) for k in status), default=0)
         return "\n".join(f"{key:<{width}}  {value}" for key, value in sorted(status.items()))
     lag = status.get("loop_lag_ms", {})
+    # A syncer from before the window was reported gave 1 / the mean reported step time instead.
+    window = status.get("steps_per_s_window_s")
+    rate_label = f"steps/s (last {window} s)" if window else "steps/s (1/step)"
     lines = [
         f"syncer {status['incarnation']}  up {status['uptime_s']:.0f} s  clock {status['clock']}  "
         f"next round {status['next_round']}",
@@ -57,14 +60,14 @@ def format_status(status: dict[str, Any]) -> str:
         "",
         "fragment versions: " + " ".join(f"{f['index']}:{f['version']}" for f in status["fragments"]),
         "",
-        f"{'learner':<20} {'connected':>9} {'steps/s':>8} {'steps':>8} {'merged':>7} {'weight share':>13} "
+        f"{'learner':<20} {'connected':>9} {rate_label:>18} {'steps':>8} {'merged':>7} {'weight share':>13} "
         f"{'goodput':>8}",
     ]
     for learner in status["learners"]:
         connected = "yes" if learner["connected"] else "no"
         lines.append(
-            f"{learner['id']:<20} {connected:>9} {learner['steps_per_s']:>8.2f} {learner.get('steps', 0):>8} "
-            f"{learner['contributions']:>7} {learner['weight_share']:>13.1%} "
+            f"{learner['id']:<20} {connected:>9} {learner['steps_per_s']:>18.2f} "
+            f"{learner.get('steps', 0):>8} {learner['contributions']:>7} {learner['weight_share']:>13.1%} "
             f"{learner.get('goodput', 0.0):>8.1%}"
         )
     if not status["learners"]:

@@ -141,8 +141,8 @@ def test_the_scan_catches_a_missing_section_and_a_foreign_design_file() -> None:
     assert set(sections) == {"1", "1.1"}
     m = CITATION.search("see docs/design.md §9.9")
     assert m is not None and m.group(2) == "9.9" and "9.9" not in sections
-    assert [p.group(0) for p in ANY_DESIGN_PATH.finditer("../shared/DESIGN.md and docs/design.md")] == [
-        "../shared/DESIGN.md",
+    assert [p.group(0) for p in ANY_DESIGN_PATH.finditer("notes/DESIGN.md and docs/design.md")] == [
+        "notes/DESIGN.md",
         "docs/design.md",
     ]
     assert BARE_DESIGN.search("(DESIGN §3.6)")

@@ -363,13 +363,18 @@ class Session:
             if send.error is None:  # the first reason is the one that counts
                 send.error = TransferFailed(code, f"receiver reset the transfer: {reset.message}")
             send.wake.set()
-        else:
+        elif transfer_id % 2 == self._peer_parity:
             self._inbound_failed(self._inbound.reset(transfer_id))
             self._inbound_opened.pop(transfer_id, None)
+        # else: a reset of one of our own transfers that has already ended (acknowledged, failed)
+
+    @property
+    def _peer_parity(self) -> int:
+        """Transfer ids the peer sends are even from a server, odd from a client."""
+        return 0 if self.role is Role.CLIENT else 1
 
     def _open_inbound(self, transfer_id: int, header: StreamHeader) -> None:
-        peer_parity = 0 if self.role is Role.CLIENT else 1
-        if transfer_id % 2 != peer_parity:
+        if transfer_id % 2 != self._peer_parity:
             self.control.abort(ErrorCode.MALFORMED_BODY, f"transfer id {transfer_id} has the wrong parity")
             return
         early = self._guard(transfer_id, partial(self._inbound.open, transfer_id, header))

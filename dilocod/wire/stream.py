@@ -4,9 +4,12 @@ A fragment travels as a header on the control connection, chunks striped over th
 connections, and FRAGMENT_END with the digest. TCP orders bytes only within one connection, so a
 chunk may overtake its header: the InboundStreams table keeps such early chunks (bounded) until the
 header names their destination. Chunks are reassembled by sequence number; duplicates (a sender
-resending what a lost connection carried) are dropped. OutboundTransfer remembers which connection
-carried which chunk until the receiver acknowledges, so a lost connection's chunks can be resent on
-the survivors. Pure bookkeeping: no asyncio, socket, torch or logging.
+resending what a lost connection carried) are dropped, and so are chunks of finished transfers:
+transfer ids increase per sender (protocol/SPEC.md §1), so one number, the highest id a header
+named, tells every finished transfer from one still to come, and a session's bookkeeping stays the
+same size however many transfers it carries. OutboundTransfer remembers which connection carried
+which chunk until the receiver acknowledges, so a lost connection's chunks can be resent on the
+survivors. Pure bookkeeping: no asyncio, socket, torch or logging.
 """
 
 from __future__ import annotations
@@ -70,19 +73,35 @@ class InboundStreams:
         self._early_charged: dict[int, int] = {}
         self._early_bytes = 0
         self._max_early_bytes = max_early_bytes
-        self._finished: set[int] = set()  # completed or reset ids: late duplicates are dropped
+        # The highest id a header named: the peer's ids increase, so every id up to it that is not
+        # open is finished (completed, reset, or skipped: its header can no longer come).
+        self._highest_opened = 0
+        # Ids above it reset before their header arrived (a STREAM_RESET that overtook the header
+        # on a data connection), at most max_transfers_in_flight of them.
+        self._reset_ahead: set[int] = set()
 
     def __len__(self) -> int:
         return len(self._transfers)
 
+    def finished(self, transfer_id: int) -> bool:
+        """Whether frames of this transfer id are late: it completed, was reset, or can no longer
+        be opened. Its chunks and FRAGMENT_END are dropped, its header refused as a duplicate."""
+        if transfer_id in self._transfers:
+            return False
+        return transfer_id <= self._highest_opened or transfer_id in self._reset_ahead
+
     def open(self, transfer_id: int, header: StreamHeader) -> list[EarlyChunk]:
         """Register a header; returns chunks that arrived before it, to be decoded now."""
-        if transfer_id in self._transfers or transfer_id in self._finished:
-            raise RemoteProtocolError(ErrorCode.DUPLICATE_TRANSFER, f"transfer {transfer_id} reused")
+        if transfer_id <= self._highest_opened or transfer_id in self._reset_ahead:
+            raise RemoteProtocolError(
+                ErrorCode.DUPLICATE_TRANSFER,
+                f"transfer {transfer_id} reused (ids increase; the last header named {self._highest_opened})",
+            )
         if len(self._transfers) >= self.limits.max_transfers_in_flight:
             raise RemoteProtocolError(
                 ErrorCode.LIMIT_EXCEEDED, f"more than {self.limits.max_transfers_in_flight} transfers"
             )
+        self._advance(transfer_id)
         buffer = self.allocate(header)
         if len(buffer) != header.raw_bytes:
             raise LocalProtocolError(ErrorCode.INTERNAL, "allocator returned a buffer of the wrong size")
@@ -96,7 +115,7 @@ class InboundStreams:
         land in their final place; everything else gets a fresh buffer (None)."""
         inbound = self._transfers.get(transfer_id)
         if inbound is None:
-            if transfer_id not in self._finished:
+            if not self.finished(transfer_id):
                 cost = payload_length + EARLY_CHUNK_OVERHEAD_BYTES
                 if self._early_bytes + cost > self._max_early_bytes:
                     raise RemoteProtocolError(
@@ -134,7 +153,7 @@ class InboundStreams:
         of an undeclared transfer is kept until its header arrives."""
         inbound = self._transfers.get(transfer_id)
         if inbound is None:
-            if transfer_id not in self._finished:
+            if not self.finished(transfer_id):
                 self._early.setdefault(transfer_id, []).append(EarlyChunk(chunk, payload))
             return None
         start = self._check_chunk(inbound, chunk)
@@ -167,7 +186,7 @@ class InboundStreams:
     def end(self, transfer_id: int, end: FragmentEnd) -> FragmentAssembled | None:
         inbound = self._transfers.get(transfer_id)
         if inbound is None:
-            if transfer_id in self._finished:
+            if self.finished(transfer_id):
                 return None  # reset (or done) already: the sender's END crossed our STREAM_RESET
             raise RemoteProtocolError(
                 ErrorCode.UNKNOWN_TRANSFER, f"FRAGMENT_END for unknown transfer {transfer_id}"
@@ -187,8 +206,7 @@ class InboundStreams:
             raise RemoteProtocolError(
                 ErrorCode.DIGEST_MISMATCH, f"transfer {transfer_id}: end digest differs"
             )
-        del self._transfers[transfer_id]
-        self._finished.add(transfer_id)
+        del self._transfers[transfer_id]  # at or below the highest id opened: finished from now on
         return FragmentAssembled(transfer_id, inbound.header, inbound.buffer)
 
     def reset(self, transfer_id: int) -> tuple[StreamHeader, memoryview] | None:
@@ -197,7 +215,12 @@ class InboundStreams:
         inbound = self._transfers.pop(transfer_id, None)
         self._early.pop(transfer_id, None)
         self._release_early(transfer_id)
-        self._finished.add(transfer_id)
+        if transfer_id > self._highest_opened:
+            self._reset_ahead.add(transfer_id)
+            if len(self._reset_ahead) > self.limits.max_transfers_in_flight:
+                # Only a peer that resets transfers it has not announced gets here: forgetting the
+                # lowest lets its late chunks wait as early ones, within the early budget.
+                self._reset_ahead.remove(min(self._reset_ahead))
         return None if inbound is None else (inbound.header, inbound.buffer)
 
     def reset_all(self) -> list[tuple[StreamHeader, memoryview]]:
@@ -206,6 +229,16 @@ class InboundStreams:
 
     def _release_early(self, transfer_id: int) -> None:
         self._early_bytes -= self._early_charged.pop(transfer_id, 0)
+
+    def _advance(self, transfer_id: int) -> None:
+        """A header named transfer_id, above every id before it: ids below it that never had a
+        header are spent, and early chunks kept for them are dropped."""
+        self._highest_opened = transfer_id
+        if self._reset_ahead:
+            self._reset_ahead = {tid for tid in self._reset_ahead if tid > transfer_id}
+        for tid in [tid for tid in {*self._early, *self._early_charged} if tid < transfer_id]:
+            self._early.pop(tid, None)
+            self._release_early(tid)
 
     def missing(self, transfer_id: int) -> int:
         inbound = self._transfers.get(transfer_id)

@@ -991,6 +991,8 @@ def _transfer_vectors() -> list[dict[str, Any]]:
          [(ctl, end)]),
         ("duplicate_transfer_id", E.DUPLICATE_TRANSFER, "a completed transfer id opened again",
          [(ctl, header), (dat, chunks[0]), (dat, chunks[1]), (ctl, end), (ctl, header)]),
+        ("transfer_id_decreasing", E.DUPLICATE_TRANSFER, "a header for transfer 1 after one for transfer 3",
+         [(ctl, frame(push.header, 3)), (ctl, header)]),
         ("chunk_seq_out_of_range", E.LENGTH_MISMATCH, "chunk 2 of a 2-chunk fragment",
          [(ctl, header), (dat, seq_2)]),
         ("chunk_raw_length_wrong_for_seq", E.LENGTH_MISMATCH, "chunk 1 covers 256 raw bytes, not 4096",

@@ -9,7 +9,9 @@ twice, or arrive after FRAGMENT_END.
 
 from __future__ import annotations
 
+import gc
 import random
+import tracemalloc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -638,3 +640,120 @@ def test_nothing_is_lent_between_chunks(connect: Connect) -> None:
     session.deliver_all(session.data[0])
     assert session.data[0].server.lent_chunk is None
     assert len(receiver.assembled) == 1
+
+
+# ------------------------------------------------------------------------------ finished transfers
+
+
+def one_chunk_header() -> PushHeader:
+    return push_header(raw_bytes=CHUNK_BYTES, codec="none")
+
+
+ONE_CHUNK = ChunkHeader(0, CHUNK_BYTES, Codec.NONE, 0, codecs.checksum(bytes(CHUNK_BYTES)))
+ONE_CHUNK_END = FragmentEnd(1, codecs.fragment_digest([ONE_CHUNK.checksum]))
+
+
+def run_transfers(streams: InboundStreams, ids: range) -> None:
+    """A transfer per id, in order: every third reset by its sender, the others completed."""
+    header, payload = one_chunk_header(), memoryview(bytes(CHUNK_BYTES))
+    for tid in ids:
+        streams.open(tid, header)
+        if tid % 3 == 0:
+            streams.reset(tid)
+            continue
+        dest = streams.destination(tid, ONE_CHUNK, payload)
+        assert dest is not None
+        dest[:] = payload
+        assert streams.chunk_verified(tid, ONE_CHUNK) is None
+        assert streams.end(tid, ONE_CHUNK_END) is not None
+
+
+def traced_after(work: Callable[[], None]) -> int:
+    gc.collect()
+    work()
+    gc.collect()
+    return tracemalloc.get_traced_memory()[0]
+
+
+def test_finished_transfers_take_bounded_memory() -> None:
+    """A session lives for days at a transfer every few milliseconds: what the receiver keeps to
+    recognise its peer's finished transfers must not grow with their number."""
+    streams = InboundStreams(LIMITS, lambda h: memoryview(bytearray(h.raw_bytes)))
+    tracemalloc.start()
+    try:
+        warm = traced_after(lambda: run_transfers(streams, range(TID, TID + 2 * 1_000, 2)))
+        many = traced_after(lambda: run_transfers(streams, range(TID + 2 * 1_000, TID + 2 * 21_000, 2)))
+    finally:
+        tracemalloc.stop()
+    assert many - warm < 64 * 1024, f"{many - warm} bytes more after 20 000 more transfers"
+
+
+def test_late_frames_of_old_finished_transfers_are_still_recognised() -> None:
+    """However long ago a transfer finished, its late chunks and FRAGMENT_END are dropped (not kept
+    as early chunks, which would use up the early budget) and its id cannot be opened again."""
+    streams = InboundStreams(
+        LIMITS, lambda h: memoryview(bytearray(h.raw_bytes)), max_early_bytes=CHUNK_BYTES + 1024
+    )
+    run_transfers(streams, range(TID, TID + 2 * 5_000, 2))
+    payload = memoryview(bytes(CHUNK_BYTES))
+    for tid in (TID, TID + 2, TID + 4, TID + 2 * 4_999):  # completed and reset ones, old and recent
+        for _ in range(3):  # more than the early budget holds, were they kept
+            assert streams.chunk_target(tid, ONE_CHUNK, CHUNK_BYTES) is None
+            assert streams.destination(tid, ONE_CHUNK, payload) is None
+        assert streams.end(tid, ONE_CHUNK_END) is None
+        with pytest.raises(RemoteProtocolError) as info:
+            streams.open(tid, one_chunk_header())
+        assert info.value.code is ErrorCode.DUPLICATE_TRANSFER
+    assert len(streams) == 0
+
+
+def test_transfer_ids_must_increase() -> None:
+    """Ids increase per sender (SPEC §1): a header below one already seen reuses a spent id, and
+    frames of an id that was skipped can never be opened, so they are dropped like late ones."""
+    streams = InboundStreams(
+        LIMITS, lambda h: memoryview(bytearray(h.raw_bytes)), max_early_bytes=CHUNK_BYTES + 1024
+    )
+    streams.open(TID + 4, one_chunk_header())
+    with pytest.raises(RemoteProtocolError) as info:
+        streams.open(TID + 2, one_chunk_header())
+    assert info.value.code is ErrorCode.DUPLICATE_TRANSFER
+    payload = memoryview(bytes(CHUNK_BYTES))
+    for _ in range(3):
+        assert streams.chunk_target(TID, ONE_CHUNK, CHUNK_BYTES) is None
+        assert streams.destination(TID, ONE_CHUNK, payload) is None
+    assert streams.end(TID, ONE_CHUNK_END) is None
+    assert len(streams) == 1
+
+
+def test_early_chunks_of_an_id_skipped_over_are_dropped() -> None:
+    """Early chunks wait for a header with their id; once a header with a higher id arrives, theirs
+    can no longer come: they are dropped and their early budget comes back."""
+    budget = CHUNK_BYTES + 1024
+    streams = InboundStreams(LIMITS, lambda h: memoryview(bytearray(h.raw_bytes)), max_early_bytes=budget)
+    payload = memoryview(bytes(CHUNK_BYTES))
+    assert streams.chunk_target(TID, ONE_CHUNK, CHUNK_BYTES) is None
+    assert streams.destination(TID, ONE_CHUNK, payload) is None  # kept: the budget is now spent
+    with pytest.raises(RemoteProtocolError):
+        streams.chunk_target(TID + 4, ONE_CHUNK, CHUNK_BYTES)
+    assert streams.open(TID + 2, one_chunk_header()) == []
+    assert streams.chunk_target(TID + 4, ONE_CHUNK, CHUNK_BYTES) is None  # the budget came back
+
+
+def test_resets_ahead_of_their_header_are_remembered_within_a_limit() -> None:
+    """A STREAM_RESET may overtake its header on a data connection: the id is void when the header
+    comes. At most max_transfers_in_flight such ids are remembered (the lowest forgotten first)."""
+    limits = Limits(max_transfers_in_flight=4)
+    streams = InboundStreams(limits, lambda h: memoryview(bytearray(h.raw_bytes)))
+    ahead = range(TID + 2, TID + 2 * 1_000, 2)
+    for tid in ahead:
+        streams.reset(tid)
+    remembered = list(ahead)[-4:]
+    for tid in remembered:
+        assert streams.chunk_target(tid, ONE_CHUNK, CHUNK_BYTES) is None
+        assert streams.destination(tid, ONE_CHUNK, memoryview(bytes(CHUNK_BYTES))) is None
+        assert streams.end(tid, ONE_CHUNK_END) is None
+        with pytest.raises(RemoteProtocolError) as info:
+            streams.open(tid, one_chunk_header())
+        assert info.value.code is ErrorCode.DUPLICATE_TRANSFER
+    # A header below the ids reset ahead opens as usual.
+    streams.open(TID, one_chunk_header())

@@ -31,8 +31,10 @@ from typing import Literal
 import structlog
 import torch
 
+from dilocod.config import Address
 from dilocod.learner.bridge import Adopt, Bridge, Snapshot
 from dilocod.learner.layout import PlanMismatch, check_plan
+from dilocod.outer.gradient import pseudo_gradient
 from dilocod.precision import encode, tensor_views
 from dilocod.transport.endpoints import connect
 from dilocod.transport.errors import HandshakeFailed, SessionClosed, TransferFailed
@@ -144,11 +146,12 @@ def compute_push(
         snapshot.ready.wait()  # the push worker's thread: waiting here costs training nothing
     out = bytearray(len(snapshot.theta))
     if out:
-        delta = torch.frombuffer(out, dtype=torch.float32)
-        torch.sub(
-            torch.frombuffer(snapshot.anchor, dtype=torch.float32),
-            torch.frombuffer(snapshot.theta, dtype=torch.float32),
-            out=delta,
+        # The whole fragment as one flat tensor (padding included: zero in both, zero in δ),
+        # written straight into the bytes that go on the wire.
+        pseudo_gradient(
+            [torch.frombuffer(snapshot.anchor, dtype=torch.float32)],
+            [torch.frombuffer(snapshot.theta, dtype=torch.float32)],
+            out=[torch.frombuffer(out, dtype=torch.float32)],
         )
     if precision != "fp32":
         manifest, out = encode(tensor_views(out, manifest), [e.name for e in manifest], precision, residual)
@@ -187,6 +190,11 @@ class Link:
         self._measuring = False
         self._streams, self._codec, self._tuner = self._resolve_auto()
         self.stats.codec = self._codec
+
+    @property
+    def _syncer(self) -> str:
+        """HOST:PORT this link dials, for every log line about the syncer."""
+        return str(Address(self.config.host, self.config.port))
 
     def _resolve_auto(self) -> tuple[int | None, str, CodecTuner | None]:
         """Explicit values win; "auto" takes the saved advice, else is left to measurements:
@@ -229,7 +237,7 @@ class Link:
                     await self._one_session(stop)
                     attempt = 0
                 except FatalLinkError as exc:
-                    log.error("cannot work with this syncer", reason=str(exc))
+                    log.error("cannot work with this syncer", syncer=self._syncer, reason=str(exc))
                     self.bridge.post_fatal(str(exc))
                     return
                 except (OSError, ConnectionError, TimeoutError) as exc:
@@ -237,7 +245,12 @@ class Link:
                         # A session that joined and then broke: a new outage, retried from the
                         # shortest delay (not from where the retries of earlier outages left off).
                         attempt = 0
-                    log.warning("syncer unreachable", error=str(exc) or type(exc).__name__, attempt=attempt)
+                    log.warning(
+                        "syncer unreachable",
+                        syncer=self._syncer,
+                        error=str(exc) or type(exc).__name__,
+                        attempt=attempt,
+                    )
                 if stop.is_set():
                     break
                 # Capped exponential backoff with jitter, so a fleet of learners does not reconnect
@@ -293,7 +306,7 @@ class Link:
             self._adopt_plan(first)
             self.stats.connected = True
             self.stats.joins += 1
-            log.info("joined", syncer=f"{self.config.host}:{self.config.port}", incarnation=first.incarnation)
+            log.info("joined", syncer=self._syncer, incarnation=first.incarnation)
             closed = asyncio.ensure_future(stop.wait())
             try:
                 while not stop.is_set():

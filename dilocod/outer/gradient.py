@@ -32,6 +32,9 @@ def pseudo_gradient(
             if torch.float64 in (a.dtype, theta.dtype):
                 # Subtract at full precision, round once.
                 dst.copy_(torch.sub(a.double(), theta.double()))
+            elif a.dtype == theta.dtype == torch.float32:
+                # One pass over the bytes (the learner's push: whole fragments in float32).
+                torch.sub(a, theta, out=dst)
             else:
                 # float32, bfloat16 and float16 values are exact in float32: one rounding, no temporary.
                 dst.copy_(a)

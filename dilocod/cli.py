@@ -477,7 +477,7 @@ def status(
     timeout_s: float,
 ) -> None:
     """Ask a running daemon for its status."""
-    from dilocod.ops.status import fetch_status, format_status  # noqa: PLC0415
+    from dilocod.ops.status import describe_failure, fetch_status, format_status  # noqa: PLC0415
     from dilocod.transport.loop import run  # noqa: PLC0415
 
     address = _parsed(lambda: parse_address(target, key="--syncer", default_port=DEFAULT_PORT))
@@ -486,7 +486,7 @@ def status(
     try:
         result = run(fetch_status(address, secret=secret, ssl=context, timeout_s=timeout_s))
     except (OSError, ConnectionError, TimeoutError) as exc:
-        click.echo(f"dilocod status: cannot reach {address}: {exc}", err=True)
+        click.echo(f"dilocod status: {describe_failure(address, exc, tls=context is not None)}", err=True)
         sys.exit(1)
     click.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else format_status(result))
 

@@ -97,7 +97,9 @@ def check_plan(plan: Plan, ours: Sequence[ModelEntry]) -> None:
             raise PlanMismatch(f"parameter {entry.name!r} of this learner is not in the syncer's model")
         if other.shape != entry.shape:
             here, there = list(entry.shape), list(other.shape)
-            raise PlanMismatch(f"parameter {entry.name!r} has shape {here} here, {there} at the syncer")
+            raise PlanMismatch(
+                f"parameter {entry.name!r} has shape {here} at this learner, {there} at the syncer"
+            )
     mine = {e.name for e in ours}
     for entry in plan.model:
         if entry.name not in mine:

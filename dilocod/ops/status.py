@@ -1,5 +1,6 @@
 """`dilocod status`: one short session with role "status" that asks for and prints a daemon's
-status. The status schema belongs to the daemon; this module only fetches and formats it."""
+status, or says why none came back. The status schema belongs to the daemon; this module only
+fetches and formats it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from typing import Any
 
 from dilocod.config import Address
 from dilocod.transport.endpoints import connect
+from dilocod.transport.errors import HandshakeFailed
 from dilocod.transport.options import TransportOptions
+from dilocod.wire.errors import ErrorCode
 from dilocod.wire.messages import StatusRequest, StatusResponse
 
 
@@ -37,6 +40,41 @@ async def fetch_status(
                     return item.status
         finally:
             await session.close("status read")
+
+
+def describe_failure(address: Address, exc: BaseException, *, tls: bool = False) -> str:
+    """For a person: why no status came back from `address`. A refused authentication (a wrong
+    or missing shared secret, a TLS certificate one end does not accept) is told apart from a
+    network that does not carry the connection: the fixes differ. `tls`: this end used TLS."""
+    if isinstance(exc, HandshakeFailed) and exc.code is ErrorCode.AUTH_FAILED:
+        return (
+            f"authentication with {address} refused ({exc}): a wrong shared secret; --secret-file "
+            "must hold the secret the syncer was started with"
+        )
+    if isinstance(exc, HandshakeFailed) and exc.code is ErrorCode.AUTH_REQUIRED:
+        return (
+            f"authentication with {address} refused ({exc}): pass --secret-file exactly when the "
+            "syncer has a shared secret, with the same secret"
+        )
+    if isinstance(exc, ssl_module.SSLError):
+        return (
+            f"the TLS handshake with {address} failed ({exc}): check --tls-cert, "
+            "--tls-key and --tls-ca (--tls-ca must sign the syncer's certificate, and the syncer's "
+            "CA this end's), and that the syncer uses TLS"
+        )
+    if isinstance(exc, HandshakeFailed) and exc.code not in (None, ErrorCode.TIMEOUT):
+        return f"{address} refused the session: {exc}"
+    if type(exc) is ConnectionError or (isinstance(exc, HandshakeFailed) and exc.code is None):
+        # Connected, then the peer hung up in the handshake: what a TLS syncer does to a client
+        # whose certificate it does not accept, or that speaks no TLS at all.
+        cause = (
+            "with TLS, the syncer did not accept this end's certificate (is --tls-cert signed by "
+            "the CA the syncer trusts?)"
+            if tls
+            else "does the syncer require TLS (--tls-cert, --tls-key, --tls-ca)?"
+        )
+        return f"{address} closed the connection in the handshake ({exc}): authentication refused; {cause}"
+    return f"cannot reach {address}: {exc}"
 
 
 def format_status(status: dict[str, Any]) -> str:

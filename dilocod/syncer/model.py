@@ -251,7 +251,9 @@ def first_mismatch(ours: Sequence[ModelEntry], theirs: Sequence[ModelEntry]) -> 
             return f"parameter {spec.name!r} is missing from the learner's model"
         if peer.shape != spec.shape:
             theirs_shape, ours_shape = list(peer.shape), list(spec.shape)
-            return f"parameter {spec.name!r} has shape {theirs_shape} at the learner, {ours_shape} here"
+            return (
+                f"parameter {spec.name!r} has shape {theirs_shape} at the learner, {ours_shape} at the syncer"
+            )
     for spec in theirs:
         if spec.name not in mine:
             return f"the learner's parameter {spec.name!r} is not in the syncer's model"

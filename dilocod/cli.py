@@ -723,6 +723,7 @@ def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: An
         island=island,
         network=config.network,
     )
+    from dilocod.learner.entry import StepFailed  # noqa: PLC0415
     from dilocod.learner.netproc import NetworkProcessError  # noqa: PLC0415
     from dilocod.ops.notify import Notifier  # noqa: PLC0415
 
@@ -732,6 +733,11 @@ def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: An
         click.echo(f"dilocod learner: {exc}", err=True)
         _user_traceback(exc)
         sys.exit(EX_CONFIG)
+    except StepFailed as exc:
+        # The user's code raised: their own frames, not ours, and a restart may get past it.
+        click.echo(f"dilocod learner: {exc}", err=True)
+        _user_traceback(exc)
+        sys.exit(1)
     except NetworkProcessError as exc:
         # Not a configuration error: a restart (systemd's Restart=on-failure) heals from the syncer.
         click.echo(f"dilocod learner: {exc}; the local state is saved", err=True)

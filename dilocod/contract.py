@@ -40,7 +40,8 @@ class LearnerContext:
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    """What one inner step reports: the tokens it trained on, and its loss for progress."""
+    """What one inner step reports: the tokens it trained on (an int >= 0), and its loss for progress
+    (a Python float, e.g. loss.item(), or None; not a tensor). Checked as each step returns."""
 
     tokens: int
     loss: float | None = None
@@ -53,7 +54,9 @@ class Trainer:
     model: the torch.nn.Module whose parameters are synced. optimizer: the inner optimizer (saved
     and restored with the learner's state). step(step_index) runs one inner step and returns a
     StepResult. state_dict / load_state_dict, when given, save and restore the user's own state
-    (e.g. a data cursor) with the learner's checkpoints; they must round-trip through torch.save.
+    (e.g. a data cursor) with the learner's checkpoints. That state must load back with
+    torch.load(weights_only=True): tensors and plain values (no numpy generators, arrays or
+    scalars); with a state directory the learner checks it at startup and before every save.
     """
 
     model: torch.nn.Module

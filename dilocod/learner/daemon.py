@@ -133,7 +133,12 @@ def _run(setup: LearnerSetup, device: torch.device, island: Island | None, notif
 
     loop = TrainingLoop(setup.runtime, trainer, bridge, device, setup.link.learner_id, island, network_status)
     try:
+        # The factory's initial state, before anything connects: a state that the next start could
+        # not load is found now, not by the restart that follows the first save.
+        loop.check_state()
         loop.restore()
+    except EntryError as exc:
+        raise LearnerSetupError(str(exc)) from exc.__cause__  # the user's traceback follows
     except LocalStateError as exc:
         raise LearnerSetupError(str(exc)) from None
     if link is not None:
@@ -176,6 +181,12 @@ def _run(setup: LearnerSetup, device: torch.device, island: Island | None, notif
         loop.run(stop)
     except LearnerStopped as exc:
         raise LearnerSetupError(f"the syncer cannot use this learner: {exc}") from None
+    except EntryError as exc:
+        # What a step returned, or the state to save, breaks the entry contract: restarting would
+        # only do it again (a step that raises is a StepFailed, and goes to the command as it is).
+        raise LearnerSetupError(str(exc)) from exc.__cause__
+    except LocalStateError as exc:
+        raise LearnerSetupError(str(exc)) from None
     finally:
         if not stop.is_set():  # --steps done, or an error: no signal said STOPPING=1 yet
             notifier.stopping(f"stopping at step {loop.step_index}")

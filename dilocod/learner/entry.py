@@ -4,6 +4,8 @@ point in the group `dilocod.trainers`, called with a LearnerContext, checked to 
 Every failure is an EntryError whose message is one paragraph naming the entry and what to fix;
 when the user's own code raised, the exception is chained so the user's traceback can follow.
 Both daemons call this before they open any connection, so a typo costs seconds, not a join.
+A step that raises is a StepFailed (not a configuration error: a restart may get past it), whose
+chained exception carries the user's frames only.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 from collections.abc import Callable
+from types import TracebackType
 from typing import Any
 
 from dilocod.contract import LearnerContext, StepResult, Trainer
@@ -20,6 +23,31 @@ ENTRY_POINT_GROUP = "dilocod.trainers"
 
 class EntryError(Exception):
     """The entry cannot be used; the message says which entry and why."""
+
+
+class StepFailed(Exception):
+    """The user's step raised: one line of context; the user's exception is the __cause__."""
+
+
+def step_failed(spec: str, step_index: int, exc: BaseException) -> StepFailed:
+    """A StepFailed for `exc`, whose traceback is cut to start at the user's own code: the frames of
+    dilocod's loop in front of it tell the user nothing about their bug."""
+    exc.with_traceback(_user_frames(exc.__traceback__))
+    return StepFailed(
+        f"--entry {spec!r}: step({step_index}) raised {type(exc).__name__}: {exc} (its traceback follows)"
+    )
+
+
+def _user_frames(tb: TracebackType | None) -> TracebackType | None:
+    """tb without its leading frames of dilocod's own modules (the examples are the user's code)."""
+    first = tb
+    while first is not None and _dilocod_module(first.tb_frame.f_globals.get("__name__", "")):
+        first = first.tb_next
+    return first if first is not None else tb
+
+
+def _dilocod_module(name: str) -> bool:
+    return (name == "dilocod" or name.startswith("dilocod.")) and not name.startswith("dilocod.examples.")
 
 
 def resolve_factory(spec: str) -> Callable[[LearnerContext], Any]:
@@ -112,12 +140,19 @@ def check_step_result(spec: str, step_index: int, result: object) -> StepResult:
     if result.loss is not None and not (
         isinstance(result.loss, int | float) and not isinstance(result.loss, bool)
     ):
+        hint = " (a tensor: report loss.item())" if hasattr(result.loss, "item") else ""
         raise EntryError(
-            f"--entry {spec!r}: step({step_index}) reported loss={result.loss!r}: a float or None"
+            f"--entry {spec!r}: step({step_index}) reported loss={_short(result.loss)}: a float or None{hint}"
         )
     # A non-finite loss is allowed through: divergence is reported as progress, and the syncer's
     # guard keeps a diverged outer gradient out of the global model.
     return result
+
+
+def _short(value: object) -> str:
+    """repr(value) on one line and not too long (a tensor's repr spans lines)."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 def _import(spec: str, module_name: str) -> Any:

@@ -25,10 +25,10 @@ import torch
 
 from dilocod.contract import Trainer
 from dilocod.learner.bridge import Adopt, Buffer, CopyInFlight, Inbox, Snapshot, StepReportItem, TrainingSide
-from dilocod.learner.entry import check_step_result
+from dilocod.learner.entry import EntryError, check_step_result, step_failed
 from dilocod.learner.island import Island
 from dilocod.learner.layout import FragmentLayout, layouts_for
-from dilocod.learner.state import load_local_state, save_local_state
+from dilocod.learner.state import LocalStateError, check_loadable, load_local_state, save_local_state
 from dilocod.outer import apply_update_
 from dilocod.wire.codecs import checksum
 
@@ -197,47 +197,83 @@ class TrainingLoop:
         log.info("restored local state", step=self.step_index, state_dir=str(self.state_dir))
         return True
 
-    def save(self) -> None:
-        if self.state_dir is None:
-            return
-        state: dict[str, Any] = {
+    def _state(self) -> dict[str, Any]:
+        return {
             "model": self.trainer.model.state_dict(),
             "optimizer": self.trainer.optimizer.state_dict() if self.trainer.optimizer is not None else None,
-            "user": dict(self.trainer.state_dict()) if self.trainer.state_dict is not None else None,
+            "user": self._user_state(),
             "step": self.step_index,
             "incarnation": self.incarnation,
             "learner_id": self.learner_id,
         }
-        path = save_local_state(self.state_dir, state)
+
+    def _user_state(self) -> dict[str, Any] | None:
+        if self.trainer.state_dict is None:
+            return None
+        try:
+            return dict(self.trainer.state_dict())
+        except Exception as exc:
+            raise EntryError(
+                f"--entry {self.config.entry!r}: Trainer.state_dict() raised {type(exc).__name__}: {exc} "
+                "(its traceback follows)"
+            ) from exc
+
+    def check_state(self) -> None:
+        """LocalStateError now if the state as it is could not be loaded once saved (at startup, on
+        the factory's initial state: found in seconds, not at the restart after the first save)."""
+        if self.state_dir is not None:
+            check_loadable(self._state())
+
+    def save(self) -> None:
+        """Write the local state (checked first: a state that would not load is refused, and the
+        last good file stays)."""
+        if self.state_dir is None:
+            return
+        path = save_local_state(self.state_dir, self._state())
         self._last_save = time.monotonic()
         log.info("saved local state", path=str(path), step=self.step_index)
+
+    def _save_on_the_way_out(self) -> None:
+        """Save while an exception is on its way out: a save that fails too is logged, and the
+        exception that stopped training is the one reported."""
+        try:
+            self.save()
+        except Exception as exc:
+            log.error("local state not saved", error=str(exc), step=self.step_index)
 
     def run(self, stop: threading.Event) -> None:
         """Train until stop is set or --steps are done; saves the local state on the way out."""
         self._wait_for_first_heal(stop)
         try:
-            while self._agree(
-                not stop.is_set() and (self.config.steps is None or self.step_index < self.config.steps)
-            ):
-                self.boundary()
-                if self.overlap == 0:
-                    # Lock-step waits here, right after the boundary that pushed, not after the
-                    # next step: a step run while the fragment is in flight trains on the pre-merge
-                    # values and is then overwritten by the merge (that would be tau = 1).
-                    self._wait_for_merges(stop)
-                    if not self._agree(not stop.is_set()):
-                        break
-                self.one_step()
-                now = time.monotonic()
-                if self.state_dir is not None and now - self._last_save >= self.config.save_every_s:
-                    self.save()
-                if self.leader and now - self._last_progress >= self.config.progress_every_s:
-                    self._report_progress(now)
-            self.boundary()  # adopt what arrived during the last step before saving
-            if self.leader:
-                self._report_holding()
-        finally:
-            self.save()
+            self._train(stop)
+        except LocalStateError:
+            raise  # a save failed: another would fail the same way
+        except BaseException:
+            self._save_on_the_way_out()
+            raise
+        self.save()
+
+    def _train(self, stop: threading.Event) -> None:
+        while self._agree(
+            not stop.is_set() and (self.config.steps is None or self.step_index < self.config.steps)
+        ):
+            self.boundary()
+            if self.overlap == 0:
+                # Lock-step waits here, right after the boundary that pushed, not after the
+                # next step: a step run while the fragment is in flight trains on the pre-merge
+                # values and is then overwritten by the merge (that would be tau = 1).
+                self._wait_for_merges(stop)
+                if not self._agree(not stop.is_set()):
+                    break
+            self.one_step()
+            now = time.monotonic()
+            if self.state_dir is not None and now - self._last_save >= self.config.save_every_s:
+                self.save()
+            if self.leader and now - self._last_progress >= self.config.progress_every_s:
+                self._report_progress(now)
+        self.boundary()  # adopt what arrived during the last step before saving
+        if self.leader:
+            self._report_holding()
 
     # ------------------------------------------------------------------ the step boundary
 
@@ -269,7 +305,13 @@ class TrainingLoop:
 
     def one_step(self) -> None:
         started = time.monotonic()
-        result = check_step_result(self.config.entry, self.step_index, self.trainer.step(self.step_index))
+        try:
+            returned = self.trainer.step(self.step_index)
+        except Exception as exc:
+            raise step_failed(self.config.entry, self.step_index, exc) from exc
+        # Checked as soon as it is returned, the first step's included: a wrong type is an entry
+        # error (exit 78), not a crash that a restart would repeat.
+        result = check_step_result(self.config.entry, self.step_index, returned)
         elapsed = time.monotonic() - started
         tokens = result.tokens if self.island is None else self.island.total(result.tokens)
         self.step_index += 1

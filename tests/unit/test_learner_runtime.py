@@ -7,21 +7,25 @@ states with deadlines, never on a timer."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import structlog
 import torch
 from torch import Tensor, nn
 
 from dilocod.contract import StepResult, Trainer
 from dilocod.learner.bridge import Adopt, Bridge
-from dilocod.learner.entry import EntryError
+from dilocod.learner.entry import EntryError, StepFailed
 from dilocod.learner.layout import PlanMismatch, model_entries
 from dilocod.learner.link import compute_push
 from dilocod.learner.runtime import LearnerStopped, RuntimeConfig, TrainingLoop
@@ -552,3 +556,66 @@ def test_a_corrupt_state_file_is_a_clear_error(tmp_path: Path, damage: str) -> N
     with pytest.raises(LocalStateError) as caught:
         rig(state_dir=tmp_path).loop.restore()
     assert str(path) in str(caught.value)
+
+
+# ---------------------------------------------------------------------------- what the user's code gives back
+
+
+def _with_user_state(r: Rig, user: Callable[[], Mapping[str, Any]]) -> None:
+    r.loop.trainer = dataclasses.replace(r.loop.trainer, state_dict=user)
+
+
+def test_a_state_that_would_not_load_is_named_before_any_step(tmp_path: Path) -> None:
+    r = rig(steps=3, state_dir=tmp_path)
+    _with_user_state(r, lambda: {"cursor": 0, "rng": np.random.default_rng(0)})
+    with pytest.raises(LocalStateError, match=r"Trainer.state_dict\(\)\['rng'\] is a numpy"):
+        r.loop.check_state()
+    assert r.job.seen == []  # the factory's initial state: no step needed to find it
+    assert not (tmp_path / STATE_FILE).exists()
+    # Without a state directory nothing is saved, so nothing needs to load.
+    r = rig(steps=3)
+    _with_user_state(r, lambda: {"rng": np.random.default_rng(0)})
+    r.loop.check_state()
+
+
+def test_a_state_that_turns_bad_is_refused_at_the_save_and_the_last_good_file_stays(tmp_path: Path) -> None:
+    r = rig(steps=3, state_dir=tmp_path)
+    r.heal()
+    r.loop.save()
+    _with_user_state(r, lambda: {"cursor": np.int64(r.job.cursor), "order": torch.arange(r.job.cursor)})
+    with pytest.raises(LocalStateError, match=r"\['cursor'\] is a numpy.int64"):
+        r.loop.run(threading.Event())
+    assert r.loop.step_index == 3
+    saved = torch.load(tmp_path / STATE_FILE, weights_only=True)
+    assert saved["step"] == 0 and saved["user"]["cursor"] == 0  # still loadable, from before
+
+
+def test_a_step_that_raises_carries_the_users_frames_only(tmp_path: Path) -> None:
+    r = rig(steps=5, state_dir=tmp_path)
+    r.heal()
+
+    def during_step(index: int) -> None:
+        if index == 2:
+            raise ValueError("a bad batch")
+
+    r.job.during_step = during_step
+    with pytest.raises(StepFailed, match=r"step\(2\) raised ValueError: a bad batch") as caught:
+        r.loop.run(threading.Event())
+    assert ENTRY in str(caught.value) and "\n" not in str(caught.value)
+    cause = caught.value.__cause__
+    assert isinstance(cause, ValueError)
+    frames = [frame.name for frame in traceback.extract_tb(cause.__traceback__)]
+    # Mutation caught: the traceback starting at dilocod's one_step (and the step watch's wrapper).
+    assert frames == ["step", "during_step"], frames
+    assert (tmp_path / STATE_FILE).exists()  # saved on the way out, as after any stop
+
+
+def test_a_failed_save_does_not_hide_the_steps_exception(tmp_path: Path) -> None:
+    r = rig(steps=5, state_dir=tmp_path)
+    r.heal()
+    r.job.result = lambda i: 0.5 if i == 1 else StepResult(tokens=10, loss=0.1)
+    _with_user_state(r, lambda: {"rng": np.random.default_rng(0)} if r.job.cursor > 1 else {})
+    with structlog.testing.capture_logs() as logs, pytest.raises(EntryError, match="returned a float"):
+        r.loop.run(threading.Event())
+    (record,) = [r for r in logs if r["log_level"] == "error"]
+    assert "local state not saved" in record["event"] and "['rng']" in record["error"]

@@ -267,11 +267,21 @@ class Channel:
                     return out
             else:
                 self._check_at = now + EOF_CHECK_S
+        reset = False
         while limit is None or len(out) < limit:
             try:
                 body, ancillary, flags, _ = self.sock.recvmsg(MAX_DATAGRAM_BYTES, _ANCILLARY_BYTES)
             except BlockingIOError:
                 return out
+            except ConnectionResetError:
+                # The other end closed with datagrams of ours unread in its queue, as a routine stop
+                # does (the training side closes after its last boundary, whatever the child sent
+                # since). The kernel reports that once, before what the other end sent us: read on,
+                # to those datagrams and then the end (EOF).
+                if reset:
+                    raise PeerClosedError("the other process closed its end") from None
+                reset = True
+                continue
             except OSError as exc:
                 raise NetworkProcessError(f"the other process is gone: {exc}") from None
             if not body:

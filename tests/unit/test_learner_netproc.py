@@ -446,3 +446,42 @@ def test_between_boundaries_the_child_polls_only_near_the_next(
             break
         threading.Event().wait(DEADLINE_S / 100)
     assert read_at - seen >= 2.0 - netproc.POLL_AHEAD_S - netproc.OUTBOX_POLL_S
+
+
+def test_a_peer_that_closes_with_messages_unread_is_a_close_not_a_fault() -> None:
+    """A process that closes its end while datagrams of ours sit unread in its queue makes the
+    kernel report ECONNRESET before the datagrams it sent us: what it sent is still handed out, and
+    the end is the routine PeerClosedError, not a fault."""
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    a, b = Channel(left), Channel(right)
+    b.queue({"k": "never read"})
+    b.send()
+    a.queue({"k": "last"})
+    a.send()
+    left.close()
+    # Mutation caught: ConnectionResetError taken as "the other process is gone" (a fault, and the
+    # last datagram lost).
+    assert [m["k"] for m, _ in b.receive()] == ["last"]
+    with pytest.raises(netproc.PeerClosedError):
+        b.receive()
+    right.close()
+
+
+def test_the_training_side_leaving_with_an_inbox_unread_is_no_error(
+    pair: tuple[ProcessBridge, _Child],
+) -> None:
+    """A routine stop: the training loop's last boundary is past, the child forwards one more inbox
+    (a request, an update), and the training side closes its end without reading it. The child
+    stops its network without logging an error (it did: "the training process's messages cannot
+    be read")."""
+    parent, child = pair
+    child.call(child.bridge.post_request, FragmentRequest(1, 4, 2))
+    child.forwarded()
+    with structlog.testing.capture_logs() as logs:
+        parent.close()
+        for _ in range(100):
+            if child.call(child.bridge.closed.is_set):
+                break
+            threading.Event().wait(DEADLINE_S / 100)
+    assert child.call(child.bridge.closed.is_set)
+    assert [r for r in logs if r["log_level"] in ("error", "warning")] == []

@@ -27,7 +27,7 @@ from typing import IO, Any
 
 from dilocod.config import DEFAULT_ENTRY, Address
 from dilocod.ops.processes import read_ready_line, stop_process
-from dilocod.ops.status import fetch_status
+from dilocod.ops.status import describe_quorum_sizes, fetch_status
 from dilocod.transport.loop import run
 
 SHOW_EVERY_S = 5.0
@@ -143,11 +143,12 @@ def run_demo(plan: DemoPlan, say: Say) -> dict[str, Any]:
             learner.stop()
         if syncer.stop() != 0:
             raise RuntimeError(f"the syncer did not stop cleanly; see {syncer.log_path}")
-        loss = _evaluate(work / "syncer", plan.entry)
-        result["eval_loss"] = loss
-        say(f"eval loss: {loss:.4g}")  # 4 significant digits: a small task can end near 1e-5
+        scored = _evaluate(work / "syncer", plan.entry)
+        result["eval_loss"] = scored.final
+        result["initial_eval_loss"] = scored.initial
+        say(scored.summary(plan.minutes))
         if plan.plot is not None:
-            _plot(plan.plot, learners, loss, say)
+            _plot(plan.plot, learners, scored.final, say)
         return result
 
 
@@ -250,13 +251,36 @@ def _show(status: dict[str, Any] | None, learners: list[Child], elapsed_s: float
         versions = sum(f["version"] for f in status["fragments"])
         lines.append(
             f"syncer: {status['rounds_merged']} rounds merged ({status['rounds_merged'] / minutes:.0f}/min), "
-            f"quorum sizes {status['quorum_sizes']}, versions {versions}"
+            f"fragment versions {versions}; quorum: {describe_quorum_sizes(status['quorum_sizes'])}"
         )
     say("\n".join(lines))
 
 
-def _evaluate(syncer_state: Path, entry: str) -> float:
-    """The eval loss of the syncer's global model, read from its newest checkpoint."""
+@dataclass(frozen=True, slots=True)
+class Scored:
+    """The global model's eval loss at the end and before training, in the entry's own terms."""
+
+    final: float
+    initial: float
+    #: The entry module's EVAL_LOSS_UNIT ("nats per byte") and EVAL_LOSS_MEANING, if it has them.
+    unit: str = ""
+    meaning: str = ""
+
+    def summary(self, minutes: float) -> str:
+        unit = f" {self.unit}" if self.unit else ""
+        # 4 significant digits: a small task can end near 1e-5.
+        lines = [
+            f"eval loss: {self.final:.4g}{unit} (the syncer's global model on held-out data after "
+            f"{minutes:g} min; {self.initial:.4g} before training)"
+        ]
+        if self.meaning:
+            lines.append(f"  {self.meaning}")
+        return "\n".join(lines)
+
+
+def _evaluate(syncer_state: Path, entry: str) -> Scored:
+    """The eval loss of the syncer's global model, read from its newest checkpoint, and of the
+    model the syncer started from (the factory's, at the syncer's default seed)."""
     from dilocod.contract import LearnerContext  # noqa: PLC0415 - torch only at the end
     from dilocod.learner.entry import resolve_factory  # noqa: PLC0415
     from dilocod.learner.layout import model_entries  # noqa: PLC0415
@@ -270,12 +294,18 @@ def _evaluate(syncer_state: Path, entry: str) -> float:
     if evaluate is None:
         raise RuntimeError(f"{entry}: its module has no evaluate(model) to score the global model")
     trainer = resolve_factory(entry)(LearnerContext("demo", "syncer", "cpu", 0, 1, None, 0))
+    initial = float(evaluate(trainer.model))
     # The checkpoint names a tied parameter once; the module may list it under a second name.
     result = trainer.model.load_state_dict(loaded.state.params, strict=False)
     trained = {entry.name for entry in model_entries(trainer.model)}
     if result.unexpected_keys or trained & set(result.missing_keys):
         raise RuntimeError(f"the syncer's checkpoint does not fit {entry}'s model: {result}")
-    return float(evaluate(trainer.model))
+    return Scored(
+        final=float(evaluate(trainer.model)),
+        initial=initial,
+        unit=str(getattr(module, "EVAL_LOSS_UNIT", "")),
+        meaning=str(getattr(module, "EVAL_LOSS_MEANING", "")),
+    )
 
 
 def _plot(path: Path, learners: list[Child], eval_loss: float, say: Say) -> None:

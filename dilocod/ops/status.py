@@ -91,7 +91,8 @@ def format_status(status: dict[str, Any]) -> str:
         f"syncer {status['incarnation']}  up {status['uptime_s']:.0f} s  clock {status['clock']}  "
         f"next round {status['next_round']}",
         f"rounds merged {status['rounds_merged']}  abandoned {status['rounds_abandoned']}  "
-        f"quorum sizes {_sizes(status['quorum_sizes'])}  grace waited {status['grace_waited_s']:.2f} s",
+        f"quorum: {describe_quorum_sizes(status['quorum_sizes'])}  "
+        f"grace waited {status['grace_waited_s']:.2f} s",
         f"received {_bytes(status['bytes_in'])}  sent {_bytes(status['bytes_out'])}  "
         f"rejected pushes {status['rejected_pushes']}  checkpoints {status['checkpoints_written']}  "
         f"loop lag p99 {lag.get('p99', 0.0):.1f} ms",
@@ -113,8 +114,19 @@ def format_status(status: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _sizes(sizes: dict[str, int]) -> str:
-    return ", ".join(f"{k}x{v}" for k, v in sizes.items()) or "-"
+def describe_quorum_sizes(sizes: dict[str, int]) -> str:
+    """How many pushes the merged rounds took, in words, the commonest first: {"1": 40, "2": 12}
+    reads "40 rounds with 1 push, 12 with 2"."""
+    if not sizes:
+        return "no round merged yet"
+    parts = []
+    for size, count in sorted(((int(k), v) for k, v in sizes.items()), key=lambda kv: (-kv[1], kv[0])):
+        if parts:
+            parts.append(f"{count} with {size}")
+        else:
+            rounds = "round" if count == 1 else "rounds"
+            parts.append(f"{count} {rounds} with {size} {'push' if size == 1 else 'pushes'}")
+    return ", ".join(parts)
 
 
 def _bytes(count: int) -> str:

@@ -33,7 +33,10 @@ def test_demo_with_chaos_reports_the_eval_loss(tmp_path: Path) -> None:
     # Chaos: learners killed and restarted, and the rounds went on meanwhile.
     assert out.count("chaos: kill -9") >= 2
     assert "training never stopped" in out
-    loss = float(re.search(r"^eval loss: ([\d.e+-]+)$", out, re.MULTILINE).group(1))  # type: ignore[union-attr]
+    found = re.search(r"^eval loss: ([\d.e+-]+) \(.*; ([\d.e+-]+) before training\)$", out, re.MULTILINE)
+    assert found is not None, out
+    loss, initial = float(found.group(1)), float(found.group(2))
+    assert loss < initial
     assert 0 < loss < 0.5  # the untrained model scores about 0.83 on this task
     # Without matplotlib the plot is skipped with a clear word; with it, the file exists.
     assert (tmp_path / "loss.png").exists() or "matplotlib is not installed" in out

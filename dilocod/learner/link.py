@@ -5,8 +5,8 @@ reconnection with capped exponential backoff and jitter when the session is lost
 Outer gradients are computed here, never on the training thread: δ = anchor - θ (float32) from a
 snapshot the training thread took at a step boundary, in a worker thread, with the chunk checksums
 computed in the same pass over the bytes (the session then hashes nothing). Failures that no
-reconnect can fix (the syncer's model is not ours, wrong credentials, no common protocol version)
-are posted to the training thread as fatal.
+reconnect can fix (the syncer's model is not ours, wrong credentials, no common protocol version,
+another live learner under our id) are posted to the training thread as fatal.
 
 --streams auto and --codec auto: the advice `dilocod bench` saved for this syncer when there is
 some (LinkConfig.advice); otherwise the stream count is chosen for every session from the RTT the
@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import secrets
 import ssl
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ log = structlog.get_logger("dilocod.learner")
 #: Codes after which reconnecting cannot help: the configuration must change.
 FATAL_CODES = {
     ErrorCode.MODEL_MISMATCH,
+    ErrorCode.LEARNER_ID_IN_USE,
     ErrorCode.AUTH_FAILED,
     ErrorCode.AUTH_REQUIRED,
     ErrorCode.UNSUPPORTED_VERSION,
@@ -176,6 +178,9 @@ class Link:
         self.bridge = bridge
         self.stats = LinkStats()
         self.incarnation = ""
+        #: This learner's own id for the syncer (JOIN's instance), the same for all its sessions:
+        #: a reconnect takes its old session's place, another learner under its id is refused.
+        self.instance = secrets.token_hex(16)
         self.session: Session | None = None
         self._manifests: list[tuple[TensorEntry, ...]] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dilocod-push")
@@ -289,11 +294,13 @@ class Link:
         self.stats.sessions += 1
         self.stats.streams = len(session.data)
         try:
-            await session.send(Join(self.model, self.incarnation))
+            await session.send(Join(self.model, self.incarnation, self.instance))
             try:
                 async with asyncio.timeout(self.config.join_timeout_s):
                     first = await session.recv()
             except SessionClosed as exc:
+                if exc.code == ErrorCode.LEARNER_ID_IN_USE:
+                    raise FatalLinkError(self._id_in_use(exc.detail)) from None
                 if exc.code in FATAL_CODES:
                     raise FatalLinkError(str(exc)) from None
                 raise
@@ -322,6 +329,15 @@ class Link:
             self.stats.connected = False
             self.session = None
             await session.close("learner leaving" if stop.is_set() else "learner reconnecting")
+
+    def _id_in_use(self, detail: str | None) -> str:
+        """The syncer refused this learner's id (LEARNER_ID_IN_USE): what the operator must change,
+        and the syncer's word on when a retry can succeed if the other learner is in fact gone."""
+        message = (
+            f"another learner with id {self.config.learner_id!r} is connected to the syncer at "
+            f"{self._syncer}; give each learner its own --id"
+        )
+        return f"{message} (syncer: {detail})" if detail else message
 
     def _auto_streams(self, dialled_s: float, session: Session) -> int:
         """--streams auto without advice: enough data connections to keep AUTO_RATE_GBPS x RTT in

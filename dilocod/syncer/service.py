@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import ssl
 import time
 from collections import defaultdict, deque
@@ -80,6 +81,24 @@ class _Peer:
     #: Versions sent, per fragment.
     sent: dict[int, int] = field(default_factory=dict)
     joined: bool = False
+    #: The learner process's own id from its JOIN ("" when it sent none).
+    instance: str = ""
+
+
+def id_in_use_refusal(learner: str, *, same_instance: bool, quiet_s: float, liveness_s: float) -> str | None:
+    """A JOIN under the id of a session that is still open (SPEC §4.4): the message to refuse it
+    with (LEARNER_ID_IN_USE), or None when the new session replaces the old one. The same learner
+    process coming back (its JOIN names the old one's instance) always does: it gave the old
+    connection up, the syncer just has not seen it close. Otherwise the old session holds the id
+    while it was heard from within the liveness timeout that would cut it off anyway; a learner
+    that died without its kernel closing its connections (a power loss) holds it until then."""
+    if same_instance or quiet_s >= liveness_s:
+        return None
+    return (
+        f"learner id {learner!r} is in use by a session heard from {quiet_s:.1f} s ago; if that "
+        f"learner has died, its session ends after {liveness_s:g} s of silence: retry in "
+        f"{math.ceil(liveness_s - quiet_s)} s"
+    )
 
 
 class SyncerService:
@@ -297,11 +316,30 @@ class SyncerService:
     async def _serve_learner(self, session: Session, join: Join) -> None:
         learner = session.peer.peer_id
         previous = self.peers.get(learner)
-        if previous is not None:
-            # A learner that reconnects before its old session timed out: the new one wins.
-            await previous.session.close("replaced by a newer session of the same learner")
-        peer = _Peer(learner, session)
+        if previous is not None and previous.session.is_open:
+            quiet_s = asyncio.get_running_loop().time() - previous.session.control.last_receive
+            same_instance = bool(join.instance) and join.instance == previous.instance
+            refusal = id_in_use_refusal(
+                learner,
+                same_instance=same_instance,
+                quiet_s=quiet_s,
+                liveness_s=previous.session.options.idle_timeout_s,
+            )
+            if refusal is not None:
+                log.warning("learner id in use", learner=learner, heard_s_ago=round(quiet_s, 3))
+                await self._refuse(session, ErrorCode.LEARNER_ID_IN_USE, refusal)
+                return
+            log.info(
+                "learner session replaced",
+                learner=learner,
+                why="the same learner came back" if same_instance else "the old session fell silent",
+                heard_s_ago=round(quiet_s, 3),
+            )
+        # Registered before the old session is closed: a third JOIN meanwhile finds this one.
+        peer = _Peer(learner, session, instance=join.instance)
         self.peers[learner] = peer
+        if previous is not None:
+            await previous.session.close("replaced by a newer session of the same learner")
         session.set_allocator(partial(self._allocate, peer))
         session.on_inbound_failed = partial(self._push_failed, peer)
         session.on_peer_error = partial(self._peer_error, peer)

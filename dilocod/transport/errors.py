@@ -7,11 +7,13 @@ from dilocod.wire.errors import ErrorCode
 
 class SessionClosed(ConnectionError):
     """The session's control connection is gone; reconnect to go on. `code` is the error code the
-    peer closed it with (ERROR frame), None for a goodbye or a lost connection."""
+    peer closed it with (ERROR frame), None for a goodbye or a lost connection; `detail` what the
+    peer said (its ERROR's message or GOODBYE's reason), None when it said nothing."""
 
-    def __init__(self, message: str, code: int | None = None) -> None:
+    def __init__(self, message: str, code: int | None = None, detail: str | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.detail = detail
 
 
 class HandshakeFailed(ConnectionError):

@@ -118,6 +118,8 @@ class Session:
         self.close_reason: str | None = None
         #: The code of the peer's ERROR frame that closed the session, if that is how it ended.
         self.close_code: int | None = None
+        #: What the peer said as it closed the session (ERROR message, GOODBYE reason), if it did.
+        self.close_detail: str | None = None
         self.closed = asyncio.Event()
         self.bytes_payload_sent = 0
         self.bytes_payload_received = 0
@@ -185,7 +187,7 @@ class Session:
         """Next control message or whole fragment from the peer; SessionClosed once it is gone."""
         while not self._incoming:
             if self.closed.is_set():
-                raise SessionClosed(self.close_reason or "session closed", self.close_code)
+                raise SessionClosed(self.close_reason or "session closed", self.close_code, self.close_detail)
             self._wakeup.clear()
             await self._wakeup.wait()
         item = self._incoming.popleft()
@@ -334,7 +336,7 @@ class Session:
             self._on_message(proto, event)
         elif isinstance(event, PeerWentAway) and proto is self.control:
             if not self.closed.is_set():
-                self.close_code = event.error_code
+                self.close_code, self.close_detail = event.error_code, event.reason
             self._finish(f"peer went away: {event.reason}")
 
     def _on_message(self, proto: FrameProtocol, event: MessageReceived) -> None:
@@ -580,6 +582,6 @@ class Session:
 
     def _check_open(self) -> None:
         if self.closed.is_set():
-            raise SessionClosed(self.close_reason or "session closed", self.close_code)
+            raise SessionClosed(self.close_reason or "session closed", self.close_code, self.close_detail)
         if not self.control.is_open:
-            raise SessionClosed("control connection closing", self.close_code)
+            raise SessionClosed("control connection closing", self.close_code, self.close_detail)

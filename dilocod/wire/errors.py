@@ -14,8 +14,8 @@ class ErrorCode(IntEnum):
     """Codes carried by ERROR and STREAM_RESET frames (protocol/SPEC.md §9).
 
     Codes 24 and up are application-level: the syncer (for MODEL_MISMATCH, either end) sends them
-    about what the peer asked for (its model, its pushes, the join order); the wire core never
-    raises them itself.
+    about what the peer asked for (its model, its pushes, the join order, its id); the wire core
+    never raises them itself.
     """
 
     BAD_MAGIC = 1
@@ -45,6 +45,7 @@ class ErrorCode(IntEnum):
     NOT_REQUESTED = 25  # STREAM_RESET: a push nobody asked for, or a second one for the same round
     STALE_VERSION = 26  # STREAM_RESET: a push's base version is too old, or newer than the syncer's
     NOT_JOINED = 27  # ERROR: STEP_REPORT or PUSH_HEADER before JOIN, or a second JOIN
+    LEARNER_ID_IN_USE = 28  # ERROR: another learner's live session holds this id (names it, when to retry)
 
 
 class ProtocolError(Exception):

@@ -27,6 +27,8 @@ U64_MAX = 2**64 - 1
 U32_MAX = 2**32 - 1
 #: JOIN and PLAN name a syncer incarnation in at most this many UTF-8 bytes.
 MAX_INCARNATION_BYTES = 128
+#: JOIN's learner instance, in at most this many UTF-8 bytes.
+MAX_INSTANCE_BYTES = 64
 
 
 def _malformed(message: str) -> RemoteProtocolError:
@@ -70,6 +72,10 @@ class _Body:
         if choices is not None and value not in choices:
             raise _malformed(f"{self.name}.{key}: {value!r} not one of {choices}")
         return value
+
+    def optional_text(self, key: str, max_bytes: int) -> str:
+        """An optional str field (SPEC §4.1): "" when absent, checked like text() when present."""
+        return self.text(key, max_bytes) if key in self.raw else ""
 
     def blob(self, key: str, sizes: tuple[int, ...]) -> bytes:
         value = self._get(key, bytes)
@@ -236,13 +242,24 @@ class Join:
     model: tuple[ModelEntry, ...]
     #: The syncer incarnation the learner last adopted fragments from; "" when it has none.
     incarnation: str = ""
+    #: The learner process's own id, kept across its reconnects (optional on the wire; "" for none):
+    #: how the syncer tells the same learner coming back from another one under its id.
+    instance: str = ""
 
     def to_body(self) -> dict[str, Any]:
-        return {"model": [e.to_wire() for e in self.model], "incarnation": self.incarnation}
+        return {
+            "model": [e.to_wire() for e in self.model],
+            "incarnation": self.incarnation,
+            "instance": self.instance,
+        }
 
     @classmethod
     def from_body(cls, b: _Body, limits: Limits) -> Join:
-        return cls(parse_model(b.raw.get("model"), limits), b.text("incarnation", MAX_INCARNATION_BYTES))
+        return cls(
+            parse_model(b.raw.get("model"), limits),
+            b.text("incarnation", MAX_INCARNATION_BYTES),
+            b.optional_text("instance", MAX_INSTANCE_BYTES),
+        )
 
 
 @dataclass(frozen=True, slots=True)

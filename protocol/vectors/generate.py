@@ -538,7 +538,7 @@ def _join_and_plan() -> tuple[Join, Plan]:
     model = tuple(
         ModelEntry(e.name, e.dtype, e.shape) for e in (*push.header.manifest, *update.header.manifest)
     )
-    join = Join(model, incarnation="inc-0000")
+    join = Join(model, incarnation="inc-0000", instance="5f0c1e2d3c4b5a69788796a5b4c3d2e1")
     fragments = (
         ("blocks.0.attn.weight",),
         ("blocks.0.mlp.weight", "blocks.0.attn.bias", "blocks.0.ln.weight"),
@@ -854,6 +854,8 @@ def _connection_vectors() -> list[dict[str, Any]]:
          join_with(model=[[ln, "float32", [65536, 65537]]])),
         ("join_incarnation_too_long", server_open, E.MALFORMED_BODY, "incarnation of 129 bytes",
          join_with(incarnation="i" * 129)),
+        ("join_instance_too_long", server_open, E.MALFORMED_BODY, "instance of 65 bytes",
+         join_with(instance="i" * 65)),
         ("plan_name_in_two_fragments", client_open, E.BAD_MANIFEST,
          "blocks.0.attn.weight in fragment 0 and again in fragment 1",
          plan_with(fragments=[*fragment_0, [*fragment_1, fragment_0[0][0]]])),

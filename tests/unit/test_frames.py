@@ -123,6 +123,7 @@ def test_error_code_numbers_are_pinned() -> None:
         "NOT_REQUESTED": 25,
         "STALE_VERSION": 26,
         "NOT_JOINED": 27,
+        "LEARNER_ID_IN_USE": 28,
     }
 
 

@@ -283,12 +283,24 @@ def test_join_fields() -> None:
     join = Join(MODEL)
     assert join.incarnation == ""
     assert decode_body(FrameType.JOIN, encode_body(join), LIMITS) == join
-    assert list(join.to_body()) == ["model", "incarnation"]
+    assert list(join.to_body()) == ["model", "incarnation", "instance"]
     assert list(PLAN.to_body()) == [
         "incarnation", "model", "fragments", "versions", "sync_every", "overlap", "quorum",
     ]  # fmt: skip
     at_cap = Join(MODEL, "é" * 64)  # 128 bytes of UTF-8
     assert decode_body(FrameType.JOIN, encode_body(at_cap), LIMITS) == at_cap
+
+
+def test_join_instance_is_optional_and_bounded() -> None:
+    """JOIN's instance (SPEC §4.3) may be absent (a learner that sends none: ""), and holds at most
+    64 bytes of UTF-8."""
+    without = msgpack.packb({"model": [e.to_wire() for e in MODEL], "incarnation": "inc-1"})
+    assert decode_body(FrameType.JOIN, without, LIMITS) == Join(MODEL, "inc-1", "")
+    at_cap = Join(MODEL, "", "é" * 32)
+    assert decode_body(FrameType.JOIN, encode_body(at_cap), LIMITS) == at_cap
+    for bad in ("é" * 32 + "x", 7, b"bytes"):
+        body = msgpack.packb({**Join(MODEL).to_body(), "instance": bad})
+        assert refused(FrameType.JOIN, body, LIMITS) is ErrorCode.MALFORMED_BODY
 
 
 # ---------------------------------------------------------------------- the join sequence
@@ -404,7 +416,9 @@ def test_application_resets_leave_the_connection_open(
 def test_the_core_never_raises_application_codes() -> None:
     """Codes 24 and up are the syncer's: nothing in dilocod/wire raises them."""
     application = {c.name for c in ErrorCode if c >= ErrorCode.MODEL_MISMATCH}
-    assert application == {"MODEL_MISMATCH", "NOT_REQUESTED", "STALE_VERSION", "NOT_JOINED"}
+    assert application == {
+        "MODEL_MISMATCH", "NOT_REQUESTED", "STALE_VERSION", "NOT_JOINED", "LEARNER_ID_IN_USE",
+    }  # fmt: skip
     root = Path(dilocod.wire.__file__).parent
     for path in root.glob("*.py"):
         if path.name == "errors.py":

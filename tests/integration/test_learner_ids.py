@@ -1,0 +1,124 @@
+"""One live session per learner id: a second `dilocod learner` started under the id of one that is
+training is refused with LEARNER_ID_IN_USE and exits 78 saying so (the first trains on, never
+replaced); a learner killed with -9 and restarted at once under its id joins as usual; the same
+learner process reconnecting before the syncer noticed its old connection close takes its own
+place back. Real processes; every wait is on a log record, a reply or a process exit, with a
+deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from pathlib import Path
+
+import pytest
+
+from dilocod.transport.endpoints import connect
+from dilocod.transport.errors import SessionClosed
+from dilocod.transport.loop import run
+from dilocod.transport.session import Session
+from dilocod.wire.errors import ErrorCode
+from dilocod.wire.messages import Join, Plan
+
+from .syncer_process import (
+    LEARNER_ENTRY,
+    entry_model,
+    start_learner,
+    start_syncer,
+    write_entry,
+    write_learner_entry,
+)
+
+DEADLINE_S = 180.0
+SYNCER_ARGS = ("--fragments", "3", "--sync-every", "6", "--quorum", "1")
+
+
+@pytest.fixture
+def entry_dir(tmp_path: Path) -> Path:
+    return write_learner_entry(tmp_path / "entry")
+
+
+def test_a_second_learner_under_a_live_id_is_refused(tmp_path: Path, entry_dir: Path) -> None:
+    syncer = start_syncer(tmp_path, entry_dir, tmp_path / "syncer", *SYNCER_ARGS, entry=LEARNER_ENTRY)
+    first = start_learner(tmp_path, entry_dir, syncer.port, "twin", "--state-dir", str(tmp_path / "first"))
+    learners = [first]
+    try:
+        first.wait_for("joined", lambda r: True, DEADLINE_S)
+        second = start_learner(
+            tmp_path, entry_dir, syncer.port, "twin", "--state-dir", str(tmp_path / "second")
+        )
+        learners.append(second)
+        assert second.process.wait(timeout=DEADLINE_S) == 78, second.stderr()
+        err = second.stderr()
+        assert (
+            f"another learner with id 'twin' is connected to the syncer at 127.0.0.1:{syncer.port}; "
+            "give each learner its own --id" in err
+        ), err
+        assert "retry in" in err  # when a learner that is really gone stops holding the id
+        (refused,) = syncer.log_events("learner id in use")
+        assert refused["learner"] == "twin"
+        # The first learner was never replaced: one session, and it goes on contributing.
+        last = max((r["round"] for r in syncer.log_events("round merged")), default=-1)
+        syncer.wait_for(
+            "round merged", lambda r: r["round"] > last and "twin" in r["contributors"], DEADLINE_S
+        )
+        assert len(first.log_events("joined")) == 1 and first.alive()
+        assert len(syncer.log_events("learner joined")) == 1
+
+        # kill -9 and start again at once under the same id: the dead one's session does not
+        # hold the id (its connections closed when its processes died).
+        first.kill()
+        again = start_learner(
+            tmp_path, entry_dir, syncer.port, "twin", "--state-dir", str(tmp_path / "first")
+        )
+        learners.append(again)
+        again.wait_for("joined", lambda r: True, DEADLINE_S)
+        joins = itertools.count(1)
+        syncer.wait_for("learner joined", lambda r: next(joins) == 2, DEADLINE_S)
+        assert len(syncer.log_events("learner id in use")) == 1
+        again.process.terminate()
+        assert again.process.wait(timeout=DEADLINE_S) == 0, again.stderr()
+    finally:
+        for learner in learners:
+            if learner.alive():
+                learner.kill()
+        assert syncer.stop() == 0, syncer.stderr()
+
+
+async def _join(port: int, model: tuple, instance: str) -> tuple[Session, object]:
+    session = await connect("127.0.0.1", port, peer_id="same", streams=0)
+    await session.send(Join(model, "", instance))
+    try:
+        async with asyncio.timeout(DEADLINE_S):
+            return session, await session.recv()
+    except SessionClosed as exc:
+        return session, exc
+
+
+def test_the_same_learner_process_reconnecting_takes_its_place_back(tmp_path: Path) -> None:
+    """Two JOINs under one id from different learner processes (instances): the second is refused
+    while the first is heard from. The same instance again (a learner whose old connection the
+    syncer still holds, say after a one-way network fault) replaces its old session at once."""
+    entry_dir = write_entry(tmp_path / "entry")
+    model, _ = entry_model(entry_dir)
+    syncer = start_syncer(tmp_path, entry_dir, tmp_path / "syncer", "--fragments", "2")
+
+    async def main() -> None:
+        old, plan = await _join(syncer.port, model, "instance-a")
+        assert isinstance(plan, Plan)
+        other, refused = await _join(syncer.port, model, "instance-b")
+        assert isinstance(refused, SessionClosed) and refused.code == ErrorCode.LEARNER_ID_IN_USE
+        assert "'same'" in str(refused) and "retry in" in str(refused)
+        assert old.is_open
+        back, plan = await _join(syncer.port, model, "instance-a")
+        assert isinstance(plan, Plan)
+        async with asyncio.timeout(DEADLINE_S):
+            await old.closed.wait()  # the syncer closed the session it replaced
+        for session in (old, other, back):
+            await session.close("done")
+
+    try:
+        run(main())
+        syncer.wait_for("learner session replaced", lambda r: r["learner"] == "same", DEADLINE_S)
+    finally:
+        assert syncer.stop() == 0, syncer.stderr()

@@ -101,15 +101,29 @@ class ScriptedLearner:
                 self._handle(await self.session.recv())
         self.emit({"event": "joined", "learner": self.name, "versions": self.versions})
 
-    async def run(self, steps: int | None = None, stop: asyncio.Event | None = None) -> None:
-        """Step (and answer the syncer) until `steps` steps are done; with stop, go on answering
-        requests and adopting updates after that until stop is set."""
+    async def run(
+        self,
+        steps: int | None = None,
+        stop: asyncio.Event | None = None,
+        until: Callable[[], bool] | None = None,
+    ) -> None:
+        """Step (and answer the syncer) until `steps` steps are done and until() holds (checked
+        after each step: a signal to wait for, under the caller's deadline); with stop, go on
+        answering requests and adopting updates after that until stop is set."""
         assert self.session is not None
         session = self.session
+
+        def stepping() -> bool:
+            if stop is not None and stop.is_set():
+                return False
+            return (steps is None and until is None) or (steps is not None and self.steps < steps) or (
+                until is not None and not until()
+            )
+
         async with asyncio.TaskGroup() as tasks:
             receiver = tasks.create_task(self._receive(tasks))
             try:
-                while (steps is None or self.steps < steps) and not (stop is not None and stop.is_set()):
+                while stepping():
                     if self.lockstep:
                         await self.wait_until(lambda: self.synced >= self.steps)
                     started = time.monotonic()

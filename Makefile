@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # Pinned so a CPU-only machine never pulls a multi-GB CUDA build; pyproject accepts any torch>=2.4.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test test-slow lint venv clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,11 +20,21 @@ venv: $(BIN)/.installed
 demo: venv
 	$(BIN)/dilocod demo
 
-# pytest exits 5 when it collected nothing: a broken suite, not a pass.
+# `make test`: ruff and every test not marked slow (pure units, real processes on loopback; a few
+# minutes). `make test-slow`: the long real-process runs (chaos, demo with chaos, long convergence
+# checks). pytest exits 5 when it collected nothing: a broken suite, not a pass.
+PYTEST = $(BIN)/python -m pytest -q -rs -p no:cacheprovider
+define run_pytest
+	$(PYTEST) $(1); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make $@: no tests were collected" >&2; exit 1; fi; exit $$rc
+endef
+
 test: venv
 	$(BIN)/ruff check dilocod tests bench
-	$(BIN)/python -m pytest -q; rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "make test: no tests were collected" >&2; exit 1; fi; exit $$rc
+	$(call run_pytest,-m "not slow")
+
+test-slow: venv
+	$(call run_pytest,-m slow)
 
 lint: venv
 	$(BIN)/ruff check dilocod tests bench

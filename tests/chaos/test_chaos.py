@@ -58,7 +58,8 @@ MIN_FAULTS = 100
 EQUAL_STEPS_BOUND = 1.05
 MiB = 2**20
 
-pytestmark = pytest.mark.timeout(TIMEOUT_S)
+# Two runs of 150 s each: `make test-slow`.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIMEOUT_S)]
 
 
 def _say(report: ChaosReport, what: str) -> None:

@@ -23,6 +23,8 @@ from dilocod.linkbench.report import schema_errors
 from dilocod.ops.processes import read_ready_line, stop_process
 from dilocod.transport.tuning import load_advice
 
+from .host import need_root, need_tool
+
 RUN_TIMEOUT_S = 300
 DEADLINE_S = 120.0
 SMALL = ["--size", "8MiB", "--duration", "1s", "--data", "bf16"]
@@ -36,12 +38,14 @@ def namespaces_of(pid: int) -> list[str]:
     return [name for name in our_namespaces() if name.startswith(f"{PREFIX}-{pid}-")]
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def _root() -> None:
-    # CI and this project's machines run the suite as root; elsewhere this must not pass silently.
-    assert os.geteuid() == 0, "the local WAN benchmark tests need root (network namespaces and tc)"
+    need_root("`dilocod bench local` makes network namespaces and shapes them with tc")
+    for tool in ("ip", "tc"):
+        need_tool(tool, "Debian/Ubuntu: apt-get install iproute2")
 
 
+@pytest.mark.usefixtures("_root")
 def test_a_shaped_link_is_measured_and_everything_is_removed(tmp_path: Path) -> None:
     out = tmp_path / "links.json"
     command = dilocod("bench", "local", "--rate", "2gbit", "--streams", "1,2", "--codec", "none,zstd,auto")
@@ -75,6 +79,7 @@ def test_a_shaped_link_is_measured_and_everything_is_removed(tmp_path: Path) -> 
     assert "link 2gbit" in stdout.decode() and "x none" in stdout.decode()  # the table for a person
 
 
+@pytest.mark.usefixtures("_root")
 def test_namespaces_are_removed_when_the_client_fails() -> None:
     # A chunk size of zero is refused by the client's own option check (exit 78) after the
     # namespaces and the server exist.
@@ -83,6 +88,7 @@ def test_namespaces_are_removed_when_the_client_fails() -> None:
     assert namespaces_of(os.getpid()) == []
 
 
+@pytest.mark.usefixtures("_root")
 def test_sigterm_mid_run_removes_everything() -> None:
     command = dilocod("bench", "local", "--rate", "2gbit,5gbit", "--size", "64MiB", "--duration", "60s")
     process = subprocess.Popen(command, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
@@ -147,6 +153,7 @@ def test_bench_run_saves_advice_for_the_syncer_named(tmp_path: Path) -> None:
 
 def test_without_root_it_says_so_and_makes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     # The euid is the seam: a venv in a root-owned checkout is not always runnable by another user.
+    need_tool("ip", "Debian/Ubuntu: apt-get install iproute2")
     before = set(our_namespaces())
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(LocalBenchError, match="needs root: run it with sudo"):

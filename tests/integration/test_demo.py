@@ -9,11 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from .syncer_process import LEARNER_ENTRY, write_learner_entry
 
 DEADLINE_S = 240.0
 
 
+@pytest.mark.slow
 def test_demo_with_chaos_reports_the_eval_loss(tmp_path: Path) -> None:
     entry_dir = write_learner_entry(tmp_path / "entry")
     env = {

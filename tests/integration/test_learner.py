@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -200,6 +201,10 @@ def test_a_torchrun_island_of_two_ranks(tmp_path: Path, entry_dir: Path) -> None
     command += ["--entry", "learner_test_entry:make_island_trainer", "--id", "island", "--device", "cpu"]
     command += ["--steps", "120", "--state-dir", str(state)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(entry_dir), os.environ.get("PYTHONPATH", "")])}
+    # torchrun's agent makes a torchelastic_* folder in TMPDIR and never removes it: the test's own.
+    (tmp_path / "tmp").mkdir()
+    env["TMPDIR"] = str(tmp_path / "tmp")
+    before = set(Path(tempfile.gettempdir()).glob("torchelastic_*"))
     try:
         done = subprocess.run(
             command, capture_output=True, text=True, timeout=DEADLINE_S, env=env, check=False
@@ -207,6 +212,7 @@ def test_a_torchrun_island_of_two_ranks(tmp_path: Path, entry_dir: Path) -> None
         assert done.returncode == 0, done.stderr[-4000:]
     finally:
         assert syncer.stop() == 0, syncer.stderr()
+    assert set(Path(tempfile.gettempdir()).glob("torchelastic_*")) <= before, "left in the shared TMPDIR"
     merged = syncer.log_events("round merged")
     assert merged and all(record["contributors"] == ["island"] for record in merged)
     for record in merged:

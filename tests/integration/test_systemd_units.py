@@ -4,10 +4,11 @@ the daemons' own shutdown grace, the credential and state directory wired to the
 has), the example configurations load through dilocod's own loader, the sysctl file sets what the
 WAN needs, and the sysusers file is valid.
 
-systemd-analyze is required, not optional: without it the test fails and says how to install it
-(.ci/run does so before `make test`). The shipped units name the binary where a real install puts
-it (/opt/dilocod/venv/bin/dilocod); verify checks that ExecStart's binary exists and is executable,
-so it runs on copies whose ExecStart names this virtualenv's `dilocod` instead, nothing else changed.
+The tests that run systemd-analyze skip without it, naming the package to install; .ci/run installs
+it and makes them required (tests/integration/host.py). The shipped units name the binary where a
+real install puts it (/opt/dilocod/venv/bin/dilocod); verify checks that ExecStart's binary exists
+and is executable, so it runs on copies whose ExecStart names this virtualenv's `dilocod` instead,
+nothing else changed.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from dilocod.config import (
 from dilocod.learner.daemon import NETWORK_STOP_TIMEOUT_S
 from dilocod.transport.options import TransportOptions
 
+from .host import need_tool
+
 SYSTEMD = Path(__file__).resolve().parents[2] / "systemd"
 UNITS = ("dilocod-syncer.service", "dilocod-learner@.service")
 #: Where the shipped units expect dilocod: the install path systemd/README.md describes.
@@ -45,12 +48,7 @@ VERIFY_TIMEOUT_S = 120.0
 
 
 def _systemd_analyze() -> str:
-    path = shutil.which("systemd-analyze")
-    if path is None:
-        pytest.fail(
-            "systemd-analyze is missing: install it (Debian/Ubuntu: apt-get install systemd; .ci/run does)"
-        )
-    return path
+    return need_tool("systemd-analyze", "Debian/Ubuntu: apt-get install systemd; .ci/run does")
 
 
 def _venv_dilocod() -> Path:
@@ -240,9 +238,7 @@ def test_the_sysctl_file_tunes_tcp_for_the_wan() -> None:
 
 
 def test_the_sysusers_file_is_valid(tmp_path: Path) -> None:
-    _systemd_analyze()  # the systemd package that ships it also ships systemd-sysusers
-    sysusers = shutil.which("systemd-sysusers")
-    assert sysusers is not None
+    sysusers = need_tool("systemd-sysusers", "Debian/Ubuntu: apt-get install systemd; .ci/run does")
     done = subprocess.run(
         [sysusers, f"--root={tmp_path}", "--dry-run", str(SYSTEMD / "sysusers.d" / "dilocod.conf")],
         check=False,

@@ -68,6 +68,11 @@ READY_TIMEOUT_S = 120.0
 EVENT_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 60.0
 SAMPLE_EVERY_S = 1.0
+#: A process is warm this long after it started (bench/notes/learner-memory.md: a learner's RSS
+#: is flat from about 20 s on); its growth is measured from a window of WINDOW_S after that to
+#: the last WINDOW_S of its life, for processes that lived at least WARM_S + 2 * WINDOW_S.
+WARM_S = 30.0
+WINDOW_S = 15.0
 #: Versions must rise within any window this long in which >= K learners are live and unimpaired.
 PROGRESS_WINDOW_S = 6.0
 #: A learner counts as impaired this long after a stop or partition ends (its backlog drains).
@@ -888,6 +893,11 @@ class ChaosRun:
             report.learner_progress_lines += len(progress)
 
     def _check_memory(self, report: ChaosReport) -> None:
+        """Peak RSS of every process, and for those that lived long enough, RSS once warm against
+        RSS at the end. A process grows for its first tens of seconds (the heal, the inner
+        optimizer's state at the first step, the first pushes; a learner restarted by the
+        schedule is all warm-up), then stays flat: bench/notes/learner-memory.md. Comparing a
+        window after WARM_S with the end tells a leak from that warm-up."""
         series: dict[int, list[tuple[float, int]]] = defaultdict(list)
         with self._lock:
             for sample in self.samples:
@@ -895,21 +905,16 @@ class ChaosRun:
                     series[pid].append((sample.at, value))
         names = self._pid_names
         for pid, points in series.items():
+            born, last = points[0][0], points[-1][0]
             values = [v for _, v in points]
-            if len(values) < 30:
-                report.memory[names.get(pid, str(pid))] = {
-                    "samples": len(values),
-                    "peak_mib": max(values) / 2**20,
-                }
-                continue
-            third = len(values) // 3
-            early, late = max(values[third // 2 : third]), max(values[-third:])
-            report.memory[names.get(pid, str(pid))] = {
-                "samples": len(values),
-                "early_mib": round(early / 2**20, 1),
-                "late_mib": round(late / 2**20, 1),
-                "peak_mib": round(max(values) / 2**20, 1),
-            }
+            measure: dict[str, float] = {"samples": len(values), "lived_s": round(last - born, 1)}
+            measure["peak_mib"] = round(max(values) / 2**20, 1)
+            warm = [v for at, v in points if WARM_S <= at - born < WARM_S + WINDOW_S]
+            end = [v for at, v in points if at > last - WINDOW_S]
+            if last - born >= WARM_S + 2 * WINDOW_S and warm and end:
+                measure["warm_mib"] = round(max(warm) / 2**20, 1)
+                measure["end_mib"] = round(max(end) / 2**20, 1)
+            report.memory[names.get(pid, str(pid))] = measure
 
 
 def _live(status: dict[str, Any]) -> set[str]:

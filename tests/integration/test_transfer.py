@@ -100,7 +100,6 @@ def test_fragment_round_trip_between_processes(
     _round_trip(arun, bench_server, fragments, size, codec, shuffle, streams)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("codec", "shuffle", "streams"),
     [pytest.param("none", 0, 4, id="none-4conn"), pytest.param("zstd", 4, 2, id="zstd-shuffle-2conn")],

@@ -41,7 +41,9 @@ def children(pid: int) -> list[int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seconds", type=float, default=300.0)
     parser.add_argument("--learners", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("memory.tsv"))
@@ -50,19 +52,19 @@ def main() -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with tempfile.TemporaryDirectory(prefix="dilocod-memory-") as tmp:
         work = Path(tmp)
+        serve = ["--listen", "127.0.0.1:0", "--insecure", "--ready-json", "--state-dir", str(work / "s")]
         syncer = subprocess.Popen(
-            [*dilocod, "syncer", "--listen", "127.0.0.1:0", "--insecure", "--state-dir", str(work / "s")]
-            + ["--ready-json"],
+            [*dilocod, "syncer", *serve],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             env=env,
         )
         assert syncer.stdout is not None
         port = json.loads(syncer.stdout.readline())["port"]
+        join = ["--syncer", f"127.0.0.1:{port}", "--insecure", "--device", "cpu"]
         learners = [
             subprocess.Popen(
-                [*dilocod, "learner", "--syncer", f"127.0.0.1:{port}", "--insecure", "--id", f"l{m}"]
-                + ["--device", "cpu", "--state-dir", str(work / f"l{m}")],
+                [*dilocod, "learner", *join, "--id", f"l{m}", "--state-dir", str(work / f"l{m}")],
                 stderr=subprocess.DEVNULL,
                 env=env,
             )

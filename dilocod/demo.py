@@ -31,8 +31,12 @@ from dilocod.ops.status import describe_quorum_sizes, fetch_status
 from dilocod.transport.loop import run
 
 SHOW_EVERY_S = 5.0
+#: How long the processes may take to start and merge the first round (a busy host's worst).
+START_TIMEOUT_S = 300.0
 CHAOS_EVERY_S = 30.0
 CHAOS_DOWN_S = 3.0
+#: With K = 1 the others merge rounds within seconds; no merge in this long is a stall.
+CHAOS_MAX_DOWN_S = 20.0
 
 Say = Callable[[str], None]
 
@@ -171,11 +175,15 @@ def _watch(
 ) -> dict[str, Any]:
     rng = random.Random(plan.seed)
     started = time.monotonic()
-    deadline = started + plan.minutes * 60
+    # The --minutes of training count from the first merged round: starting the processes
+    # (importing torch, building the model, the first heal) takes seconds on a quiet host and
+    # much longer on a busy one, and is not training. Chaos starts then too: a learner killed
+    # before any round merged would show an outage that stopped nothing.
+    deadline = started + START_TIMEOUT_S
+    training = False
     next_show = started + SHOW_EVERY_S
-    next_chaos = started + plan.chaos_every_s * rng.uniform(0.7, 1.3) if plan.chaos else float("inf")
+    next_chaos = float("inf")
     outages: list[dict[str, Any]] = []
-    first_merged: int | None = None
     while time.monotonic() < deadline:
         if not syncer.alive():
             raise RuntimeError(f"the syncer exited; see {syncer.log_path}")
@@ -185,12 +193,20 @@ def _watch(
             next_chaos = time.monotonic() + plan.chaos_every_s * rng.uniform(0.7, 1.3)
         if now >= next_show:
             status = _status(address)
-            if status is not None and first_merged is None:
-                first_merged = status["rounds_merged"]
+            if not training and status is not None and status["rounds_merged"] > 0:
+                training = True
+                deadline = now + plan.minutes * 60
+                say(f"demo: first round merged after {now - started:.0f} s; training {plan.minutes:g} min")
+                if plan.chaos:
+                    next_chaos = now + plan.chaos_every_s * rng.uniform(0.7, 1.3)
             _show(status, learners, now - started, say)
             next_show = now + SHOW_EVERY_S
         # The demo's own pacing (it only looks at the children): not a wait for an event.
         time.sleep(0.2)
+    if not training:
+        raise RuntimeError(
+            f"no round merged within {START_TIMEOUT_S:.0f} s of the start; logs in {syncer.log_path.parent}"
+        )
     status = _status(address) or {}
     never_stopped = all(o["rounds_during"] > 0 for o in outages)
     if plan.chaos:
@@ -215,15 +231,22 @@ def _chaos(
     before = (_status(address) or {}).get("rounds_merged", 0)
     say(f"chaos: kill -9 {victim.name}")
     victim.stop(signal.SIGKILL)
+    down_at = time.monotonic()
     with victim.lock:
         victim.tokens_before += int(victim.last.get("tokens", 0))
         victim.last = {}
-    time.sleep(CHAOS_DOWN_S)  # the outage itself: the others must go on meanwhile
+    # The outage: CHAOS_DOWN_S, longer while no round has merged (a busy host can take seconds to
+    # merge one), up to CHAOS_MAX_DOWN_S; the others must go on meanwhile.
+    time.sleep(CHAOS_DOWN_S)
     during = (_status(address) or {}).get("rounds_merged", 0) - before
+    while during <= 0 and time.monotonic() - down_at < CHAOS_MAX_DOWN_S:
+        time.sleep(0.5)
+        during = (_status(address) or {}).get("rounds_merged", 0) - before
     victim.restarts += 1
     victim.start(env)
     say(
-        f"chaos: {victim.name} restarted (it heals from the syncer); {during} rounds merged while it was down"
+        f"chaos: {victim.name} restarted (it heals from the syncer); {during} rounds merged while it was "
+        f"down for {time.monotonic() - down_at:.0f} s"
     )
     return {"learner": victim.name, "rounds_during": during}
 

@@ -685,6 +685,7 @@ def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: An
     from dilocod.learner.island import IslandConfig  # noqa: PLC0415
     from dilocod.learner.link import LinkConfig  # noqa: PLC0415
     from dilocod.learner.runtime import RuntimeConfig  # noqa: PLC0415
+    from dilocod.learner.threads import HostCpus  # noqa: PLC0415
 
     device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     # Under torchrun every rank runs this command; rank 0 alone talks to the syncer.
@@ -722,6 +723,12 @@ def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: An
         use_uvloop=uvloop,
         island=island,
         network=config.network,
+        # For torch's intra-op threads (an explicit OMP_NUM_THREADS is kept).
+        cpus=HostCpus(
+            len(os.sched_getaffinity(0)),
+            int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+            os.environ.get("OMP_NUM_THREADS"),
+        ),
     )
     from dilocod.learner.entry import StepFailed  # noqa: PLC0415
     from dilocod.learner.netproc import NetworkProcessError  # noqa: PLC0415

@@ -37,6 +37,7 @@ from dilocod.learner.link import Link, LinkConfig
 from dilocod.learner.netproc import ProcessBridge, SideReader, encode_config, open_network_process
 from dilocod.learner.runtime import LearnerStopped, RuntimeConfig, TrainingLoop
 from dilocod.learner.state import LocalStateError
+from dilocod.learner.threads import HostCpus, choose_intra_op_threads
 from dilocod.ops.notify import USEC_PER_S, Notifier, watchdog_loop
 
 log = structlog.get_logger("dilocod.learner")
@@ -61,6 +62,9 @@ class LearnerSetup:
     island: IslandConfig | None = None
     #: "process": the link runs in a child process (dilocod.learner.netproc); "thread": here.
     network: str = "process"
+    #: What the command read about this host's cores, for torch's intra-op threads; None leaves
+    #: torch's choice alone.
+    cpus: HostCpus | None = None
 
 
 def resolve_device(setup: LearnerSetup) -> torch.device:
@@ -97,9 +101,30 @@ def run_learner(setup: LearnerSetup, notifier: Notifier | None = None) -> None:
             island.close()
 
 
+def set_intra_op_threads(setup: LearnerSetup, torch_default: int) -> None:
+    """torch's intra-op threads, chosen so that the network does not take a core from them (see
+    dilocod.learner.threads); after the entry has run, whose own torch.set_num_threads is kept."""
+    if setup.cpus is None:
+        return
+    here = setup.island is None or setup.island.rank - setup.island.local_rank == 0
+    # torchrun numbers ranks node by node: the island's rank 0, whose network it is, runs on the
+    # node whose first rank is 0.
+    network = setup.network if here else None
+    current = torch.get_num_threads()
+    choice = choose_intra_op_threads(setup.cpus, network, torch_default=torch_default, current=current)
+    if choice.threads is None:
+        log.info("torch threads kept", threads=current, reason=choice.reason)
+        return
+    if choice.threads != current:
+        torch.set_num_threads(choice.threads)
+    log.info("torch threads chosen", threads=choice.threads, reason=choice.reason)
+
+
 def _run(setup: LearnerSetup, device: torch.device, island: Island | None, notifier: Notifier) -> None:
     watch = StepWatch()
+    torch_default = torch.get_num_threads()  # before the entry: torch's own, or OMP_NUM_THREADS's
     trainer = load_entry(setup, device)
+    set_intra_op_threads(setup, torch_default)
     trainer = dataclasses.replace(trainer, step=watch.watch(trainer.step))
     try:
         model = model_entries(trainer.model)

@@ -756,7 +756,8 @@ def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: An
     "--learners", default=4, show_default=True, type=click.IntRange(1, 32), help="Learner processes."
 )
 @click.option(
-    "--minutes", default=3.0, show_default=True, type=click.FloatRange(0.1, 600), help="How long to train."
+    "--minutes", default=3.0, show_default=True, type=click.FloatRange(0.1, 600),
+    help="Minutes of training, counted from the first merged round.",
 )
 @click.option("--chaos", is_flag=True, help="Kill -9 a random learner about every 30 s and restart it.")
 @click.option(

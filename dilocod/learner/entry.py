@@ -1,4 +1,4 @@
-"""Loading and validating the user's entry (DESIGN.md §6): "module:attr" or the name of an entry
+"""Loading and validating the user's entry (docs/design.md §6): "module:attr" or the name of an entry
 point in the group `dilocod.trainers`, called with a LearnerContext, checked to return a Trainer.
 
 Every failure is an EntryError whose message is one paragraph naming the entry and what to fix;

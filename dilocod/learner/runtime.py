@@ -1,5 +1,5 @@
 """The learner's training loop, on the main thread: the user's step, and at every step boundary the
-outer loop's two touches on the parameters (DESIGN.md §3.3). Parameters change only here.
+outer loop's two touches on the parameters (docs/design.md §3.3). Parameters change only here.
 
 At a step boundary, in this order:
 1. merged fragments that arrived are applied (heal: overwrite; otherwise the chosen mode), the
@@ -342,7 +342,7 @@ class TrainingLoop:
 
     def counters(self, fragment: int) -> tuple[int, int]:
         """The steps and tokens trained since the fragment was last applied (a push's c_steps and
-        c_tokens, DESIGN.md §3.3)."""
+        c_tokens, docs/design.md §3.3)."""
         steps_at, tokens_at = self.applied_at[fragment]
         return self.progress.steps - steps_at, self.progress.tokens - tokens_at
 

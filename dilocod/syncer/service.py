@@ -423,7 +423,15 @@ class SyncerService:
         )
         refusal = self.rounds.admit(push, self.clock())
         if refusal is not None:
-            log.warning("push refused", learner=peer.learner, round=header.round, why=refusal.value)
+            log.warning(
+                "push refused",
+                learner=peer.learner,
+                round=header.round,
+                fragment=header.fragment,
+                base_version=header.base_version,
+                version=self.rounds.versions[header.fragment],
+                why=refusal.value,
+            )
             raise RemoteProtocolError(_REFUSAL_CODES[refusal], f"round {header.round}: {refusal.value}")
         free = self._pool[header.raw_bytes]
         buffer = memoryview(free.pop() if free else bytearray(header.raw_bytes))

@@ -1,7 +1,7 @@
 """The learner's training loop (dilocod.learner.runtime.TrainingLoop) with a real tiny torch model,
 its AdamW and a real Bridge, all in this process. The test plays the network: it posts plans,
 merged fragments, requests and fatals on the bridge and drains what the loop sends back. Expected
-parameters are computed here from the equations of DESIGN.md §3.3, and fragment bytes are packed
+parameters are computed here from the equations of docs/design.md §3.3, and fragment bytes are packed
 here from the wire manifest (not with the loop's own layout code). Waiting is on observed thread
 states with deadlines, never on a timer."""
 

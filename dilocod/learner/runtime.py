@@ -294,10 +294,21 @@ class TrainingLoop:
                 # Another syncer incarnation: what we pushed will not come back.
                 self.awaiting.clear()
             self.incarnation = inbox.plan.incarnation
+        # A request for the version this learner holds that comes with a newer version of its
+        # fragment (its round merged before the request reached this boundary) is answered
+        # first: its push then holds every step since that version, and the syncer merges it into
+        # the fragment's next round. Answered after the update, it would hold no step at all.
+        updated = {adopt.fragment for adopt in inbox.updates}
+        overtaken = [
+            r for r in inbox.requests if r.fragment in updated and r.version == self.versions.get(r.fragment)
+        ]
+        for request in overtaken:
+            self._snapshot(request.fragment, request.round)
         for adopt in inbox.updates:
             self._apply(adopt)
         for request in inbox.requests:
-            self._snapshot(request.fragment, request.round)
+            if request not in overtaken:
+                self._snapshot(request.fragment, request.round)
         # One wake of the network thread per step, after the boundary's own work: woken earlier
         # (by the step report), it runs Python while this boundary's torch calls wait for the GIL.
         if self.leader:

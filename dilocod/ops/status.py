@@ -100,18 +100,25 @@ def format_status(status: dict[str, Any]) -> str:
         "fragment versions: " + " ".join(f"{f['index']}:{f['version']}" for f in status["fragments"]),
         "",
         f"{'learner':<20} {'connected':>9} {rate_label:>18} {'steps':>8} {'merged':>7} {'weight share':>13} "
-        f"{'goodput':>8}",
+        f"{'goodput':>8} {'pushes wasted':>14}",
     ]
     for learner in status["learners"]:
         connected = "yes" if learner["connected"] else "no"
         lines.append(
             f"{learner['id']:<20} {connected:>9} {learner['steps_per_s']:>18.2f} "
             f"{learner.get('steps', 0):>8} {learner['contributions']:>7} {learner['weight_share']:>13.1%} "
-            f"{learner.get('goodput', 0.0):>8.1%}"
+            f"{learner.get('goodput', 0.0):>8.1%} {_wasted(learner):>14}"
         )
     if not status["learners"]:
         lines.append("(no learner has joined yet)")
     return "\n".join(lines)
+
+
+def _wasted(learner: dict[str, Any]) -> str:
+    """Pushes refused or released unmerged, as a share of the pushes sent ("-" before any, or
+    from a syncer that does not count them)."""
+    pushes = learner.get("pushes", 0)
+    return f"{learner.get('pushes_wasted', 0) / pushes:.1%}" if pushes else "-"
 
 
 def describe_quorum_sizes(sizes: dict[str, int]) -> str:

@@ -154,6 +154,11 @@ class LearnerRecord:
     local_step: int = 0
     tokens: int = 0
     contributions: int = 0
+    #: Push headers this learner sent, and those of them whose bytes were not merged: refused at
+    #: the header, or received and then released (screened out, stale, superseded, zero weight).
+    #: Each wasted one was upload bandwidth for nothing.
+    pushes: int = 0
+    pushes_wasted: int = 0
     #: Sum of this learner's merge weights over all merged rounds.
     weight_total: float = 0.0
     #: When this learner id first joined (on the caller's clock), and the sum of the step times it
@@ -300,6 +305,15 @@ class Rounds:
 
     def admit(self, push: Push, now: float) -> Refusal | None:
         """A push header arrived: None to receive its bytes, or why it is refused."""
+        record = self.learners.get(push.learner)
+        if record is not None:
+            record.pushes += 1
+        refusal = self._admission(push)
+        if refusal is not None:
+            self._count_wasted(push)
+        return refusal
+
+    def _admission(self, push: Push) -> Refusal | None:
         rnd = self._open.get(push.round_index) or self._closed.get(push.round_index)
         if (
             rnd is None
@@ -325,7 +339,7 @@ class Rounds:
             self.rejected[verdict.reason] += 1
             if rnd is not None:
                 rnd.refused.add(push.learner)
-            return [Release(push, verdict.reason), *self.tick(now)]
+            return [self._release(push, verdict.reason), *self.tick(now)]
         if push.c_steps > 0 and verdict.norm > 0.0:
             # An empty push (no steps since its anchor, δ = 0) says nothing about the scale of real
             # outer gradients; counted, enough of them pull the median to zero and the guard then
@@ -338,7 +352,7 @@ class Rounds:
             previous = carried.get(push.learner)
             carried[push.learner] = push
             if previous is not None:
-                return [Release(previous, "superseded by a later push"), *self.tick(now)]
+                return [self._release(previous, "superseded by a later push"), *self.tick(now)]
         return self.tick(now)
 
     def push_failed(self, push: Push, now: float) -> list[Action]:
@@ -445,8 +459,22 @@ class Rounds:
             return None
         return rnd.opened_at + max(self.config.sync_every * step, MIN_WAIT_S)
 
+    def _release(self, push: Push, reason: str) -> Release:
+        self._count_wasted(push)
+        return Release(push, reason)
+
+    def _count_wasted(self, push: Push) -> None:
+        record = self.learners.get(push.learner)
+        if record is not None:
+            record.pushes_wasted += 1
+
     def _take_carried(self, rnd: _Round) -> tuple[dict[str, Push], list[Action]]:
-        """Late pushes of this fragment that may join the round, and releases for the rest."""
+        """Late pushes of this fragment that may join the round, and releases for the rest.
+
+        A late push joins beside its learner's own answer to this round when that answer starts
+        from a newer version (the learner adopted the merge it missed, so the two outer gradients
+        hold different steps); an answer from the same version holds every step of the late push
+        too, which then goes."""
         carried = self._carried.get(rnd.fragment, {})
         joining: dict[str, Push] = {}
         actions: list[Action] = []
@@ -455,18 +483,18 @@ class Rounds:
             if push.base_version + self.config.staleness < rnd.version:
                 del carried[learner]
                 self.rejected[Refusal.STALE_VERSION.value] += 1
-                actions.append(Release(push, "stale"))
-            elif fresh is not None and fresh.base_version == push.base_version:
+                actions.append(self._release(push, "stale"))
+            elif fresh is not None and fresh.base_version <= push.base_version:
                 # The fresh push covers every step of the late one: merging both counts them twice.
                 del carried[learner]
-                actions.append(Release(push, "superseded by a later push"))
-            elif fresh is None:
+                actions.append(self._release(push, "superseded by a later push"))
+            else:
                 joining[learner] = push
         return joining, actions
 
     def _maybe_merge(self, rnd: _Round, now: float) -> list[Action]:
         joining, actions = self._take_carried(rnd)
-        pushes = {**joining, **rnd.pushes}
+        pushes = [*rnd.pushes.values(), *joining.values()]
         # Still expected: asked, live (leave() forgets the others) and not refused, until the round
         # has waited a whole cycle. Every admitted push in flight is from an asked learner. A late
         # push carried in from an earlier round does not answer for its learner: counted, it let a
@@ -490,7 +518,7 @@ class Rounds:
             return actions
         # Quorum counts the round's own answers while anyone is still expected; carried pushes
         # are merged with them (and alone only when nobody asked is left to answer).
-        if len(rnd.pushes if waiting else pushes) < self.config.quorum:
+        if len({p.learner for p in (rnd.pushes.values() if waiting else pushes)}) < self.config.quorum:
             return actions
         if rnd.quorum_at is None:
             rnd.quorum_at = now
@@ -501,7 +529,8 @@ class Rounds:
         carried = self._carried.get(rnd.fragment, {})
         for learner in joining:
             del carried[learner]
-        return [*actions, *self._start_merge(rnd, now, sorted(pushes.values(), key=lambda p: p.learner))]
+        ordered = sorted(pushes, key=lambda p: (p.learner, p.round_index))
+        return [*actions, *self._start_merge(rnd, now, ordered)]
 
     def _start_merge(self, rnd: _Round, now: float, pushes: list[Push]) -> list[Action]:
         try:
@@ -510,20 +539,21 @@ class Rounds:
             # Nobody trained since their anchor: nothing to merge, the fragment keeps its version.
             self._close(rnd, RoundState.ABANDONED)
             self.rounds_abandoned += 1
-            return [Release(p, "no steps to merge") for p in pushes]
+            return [self._release(p, "no steps to merge") for p in pushes]
         kept = [(p, w) for p, w in zip(pushes, weights, strict=True) if w > 0]
         actions: list[Action] = [
-            Release(p, "zero weight") for p, w in zip(pushes, weights, strict=True) if w == 0
+            self._release(p, "zero weight") for p, w in zip(pushes, weights, strict=True) if w == 0
         ]
         rnd.state = RoundState.MERGING
         rnd.merge_started_at = now
         waited = 0.0 if rnd.quorum_at is None else now - rnd.quorum_at
         self.grace_waited_s += waited
-        self.quorum_sizes[len(kept)] += 1
+        # Learners, not pushes: a late push merged beside its learner's own answer is one learner.
+        self.quorum_sizes[len({p.learner for p, _ in kept})] += 1
+        for learner in {p.learner for p, _ in kept}:
+            self.learners[learner].contributions += 1
         for push, weight in kept:
-            record = self.learners[push.learner]
-            record.contributions += 1
-            record.weight_total += weight
+            self.learners[push.learner].weight_total += weight
         merge = Merge(
             rnd.index, rnd.fragment, rnd.version, tuple(p for p, _ in kept), tuple(w for _, w in kept), waited
         )

@@ -696,6 +696,9 @@ class SyncerService:
                     "connected": r.learner in self.peers,
                     "live": r.live,
                     "contributions": r.contributions,
+                    # Push headers sent, and those whose bytes were not merged (upload wasted).
+                    "pushes": r.pushes,
+                    "pushes_wasted": r.pushes_wasted,
                     "weight_share": round(r.weight_total / total_weight, 6),
                     # Throughput: step reports over the last steps_per_s_window_s of wall time.
                     "steps_per_s": round(self.step_rates.rate(r.learner, now), 4),

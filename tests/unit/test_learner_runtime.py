@@ -330,6 +330,34 @@ def test_counters_restart_at_adoption_per_fragment() -> None:
     assert snapshots[1].anchor is merged and snapshots[0].anchor is r.heal_buffers[0]
 
 
+@pytest.mark.parametrize("apply", ["overwrite", "mix", "keep-local"])
+def test_a_request_overtaken_by_its_fragments_update_is_answered_first(apply: str) -> None:
+    """A request for the version held and the newer version of that fragment reach the same
+    boundary (the round merged before the request arrived): the snapshot goes first and holds the
+    steps since the held version; after the update it would hold none (a push of zero weight).
+    A request for the new version, in the same inbox, is answered after the update."""
+    r = rig(apply=apply)
+    r.heal(versions=(3, 5))
+    r.loop.boundary()
+    for _ in range(3):
+        r.loop.one_step()  # tokens 10, 11, 12
+    before = r.job.params()
+    merged = {n: torch.full(p.shape, 0.5) for n, p in r.job.model.named_parameters()}
+    r.bridge.post_request(FragmentRequest(0, 7, 3))  # its round merged into version 4 meanwhile
+    r.update(0, 4, merged)
+    r.bridge.post_request(FragmentRequest(1, 8, 6))  # a round of fragment 1 at version 6 ...
+    r.update(1, 6, merged)  # ... whose version comes with it
+    r.loop.boundary()
+    snapshots, _ = r.bridge.drain()
+    got = {s.fragment: (s.base_version, s.c_steps, s.c_tokens) for s in snapshots}
+    assert got == {0: (3, 3, 10 + 11 + 12), 1: (6, 0, 0)}
+    (first,) = [s for s in snapshots if s.fragment == 0]
+    assert bytes(first.theta) == bytes(pack(r.fragments[0], before))
+    assert r.loop.versions == {0: 4, 1: 6}
+    if apply == "overwrite":
+        assert_params(r.job, r.of(0, merged))
+
+
 def test_request_before_healing_is_not_answered() -> None:
     r = rig()
     r.bridge.post_plan(r.plan)

@@ -555,3 +555,71 @@ def test_a_round_below_quorum_that_waited_a_cycle_leaves_the_deadlines() -> None
     rounds.admit(late, now=expires + 0.2)
     (merge,) = of(Merge, rounds.push_complete(late, OK, now=expires + 0.3))
     assert {p.learner for p in merge.pushes} == {"a", "b"}
+
+
+def test_a_late_push_joins_beside_its_learners_answer_from_a_newer_version() -> None:
+    """b's push misses its round (merged on a's alone), b adopts that merge, and its answer to the
+    fragment's next round starts from the new version: the two hold different steps, so the late
+    one joins that round beside it (left waiting, it went stale a round later: its upload wasted)."""
+    config = RoundConfig(fragments=1, sync_every=1, quorum=1)
+    rounds = started(config, ("a", "b"))
+    r0 = first_round(rounds)
+    pa, late = push_for(r0, "a"), push_for(r0, "b", steps=3, tokens=300)
+    rounds.admit(pa, now=0.1)
+    rounds.admit(late, now=0.1)
+    rounds.push_complete(pa, OK, now=0.2)
+    (m0,) = of(Merge, rounds.tick(now=5.0))
+    rounds.push_complete(late, OK, now=5.1)  # carried
+    assert rounds.merged(m0.round_index, now=5.2) == 1
+    (r1,) = of(Request, rounds.step("a", 10, 1.0, now=6.0) + rounds.step("b", 10, 1.0, now=6.0))
+    own_a, own_b = push_for(r1, "a", steps=2, tokens=200), push_for(r1, "b", steps=1, tokens=100)
+    for push in (own_a, own_b):
+        assert rounds.admit(push, now=6.1) is None
+    assert of(Merge, rounds.push_complete(own_a, OK, now=6.2)) == []
+    (m1,) = of(Merge, rounds.push_complete(own_b, OK, now=6.3))  # nobody left to wait for
+    assert set(m1.pushes) == {own_a, own_b, late}
+    weights = dict(zip(m1.pushes, m1.weights, strict=True))
+    want = merge_weights([200, 100, 300], [2, 1, 3])
+    assert [weights[own_a], weights[own_b], weights[late]] == pytest.approx(want)
+    assert rounds.quorum_sizes == {1: 1, 2: 1}  # learners, not pushes
+    assert rounds.learners["b"].contributions == 1
+    assert (rounds.learners["b"].pushes, rounds.learners["b"].pushes_wasted) == (2, 0)
+
+
+def test_a_late_push_from_the_same_version_as_its_learners_answer_goes() -> None:
+    """The answer from the same version holds every step of the late push: merging both would
+    count them twice, so the late one is released (and counted as wasted)."""
+    config = RoundConfig(fragments=1, sync_every=1, quorum=1)
+    rounds = started(config, ("a", "b"))
+    r0 = first_round(rounds)
+    pa, late = push_for(r0, "a"), push_for(r0, "b")
+    rounds.admit(pa, now=0.1)
+    rounds.admit(late, now=0.1)
+    rounds.push_complete(pa, OK, now=0.2)
+    (m0,) = of(Merge, rounds.tick(now=5.0))
+    rounds.push_complete(late, OK, now=5.1)
+    rounds.merged(m0.round_index, now=5.2)
+    (r1,) = of(Request, rounds.step("a", 10, 1.0, now=6.0) + rounds.step("b", 10, 1.0, now=6.0))
+    own_a, own_b = push_for(r1, "a"), push_for(r1, "b", base=0)  # b had not adopted version 1
+    rounds.admit(own_a, now=6.1)
+    rounds.admit(own_b, now=6.1)
+    rounds.push_complete(own_a, OK, now=6.2)
+    actions = rounds.push_complete(own_b, OK, now=6.3)
+    assert Release(late, "superseded by a later push") in actions
+    (m1,) = of(Merge, actions)
+    assert set(m1.pushes) == {own_a, own_b}
+    assert (rounds.learners["b"].pushes, rounds.learners["b"].pushes_wasted) == (2, 1)
+
+
+def test_refused_and_released_pushes_count_as_wasted() -> None:
+    rounds = started(RoundConfig(fragments=2, sync_every=2, quorum=1), ("a", "b"))
+    request = first_round(rounds)
+    stale = push_for(request, "a", base=request.version + 5)
+    assert rounds.admit(stale, now=0.1) is Refusal.STALE_VERSION
+    bad = push_for(request, "b")
+    rounds.admit(bad, now=0.1)
+    rounds.push_complete(bad, BAD, now=0.2)
+    assert {name: (r.pushes, r.pushes_wasted) for name, r in rounds.learners.items()} == {
+        "a": (1, 1),
+        "b": (1, 1),
+    }

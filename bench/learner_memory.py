@@ -11,14 +11,10 @@ line. bench/notes/learner-memory.md records a run.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
+
+from loopback_run import syncer_and_learners
 
 SAMPLE_EVERY_S = 2.0
 
@@ -48,42 +44,19 @@ def main() -> None:
     parser.add_argument("--learners", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("memory.tsv"))
     args = parser.parse_args()
-    dilocod = [sys.executable, "-m", "dilocod"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with tempfile.TemporaryDirectory(prefix="dilocod-memory-") as tmp:
-        work = Path(tmp)
-        serve = ["--listen", "127.0.0.1:0", "--insecure", "--ready-json", "--state-dir", str(work / "s")]
-        syncer = subprocess.Popen(
-            [*dilocod, "syncer", *serve],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            env=env,
-        )
-        assert syncer.stdout is not None
-        port = json.loads(syncer.stdout.readline())["port"]
-        join = ["--syncer", f"127.0.0.1:{port}", "--insecure", "--device", "cpu"]
-        learners = [
-            subprocess.Popen(
-                [*dilocod, "learner", *join, "--id", f"l{m}", "--state-dir", str(work / f"l{m}")],
-                stderr=subprocess.DEVNULL,
-                env=env,
-            )
-            for m in range(args.learners)
-        ]
-        header = ["s", "syncer"] + [f"l{m}{part}" for m in range(args.learners) for part in ("", " child")]
+    with syncer_and_learners(args.learners) as run:
+        parts = ("", " child")
+        header = ["s", "syncer"] + [f"l{m}{part}" for m in range(args.learners) for part in parts]
         started = time.monotonic()
         with args.out.open("w") as out:
             out.write("\t".join(header) + "\n")
             while time.monotonic() - started < args.seconds:
-                row = [f"{time.monotonic() - started:.0f}", str(rss_mib(syncer.pid))]
-                for learner in learners:
+                row = [f"{time.monotonic() - started:.0f}", str(rss_mib(run.syncer.pid))]
+                for learner in run.learners:
                     row += [str(rss_mib(learner.pid)), *(str(rss_mib(c)) for c in children(learner.pid))]
                 out.write("\t".join(row) + "\n")
                 out.flush()
                 time.sleep(SAMPLE_EVERY_S)  # the sampling period, not a wait for an event
-        for process in [*learners, syncer]:
-            process.send_signal(signal.SIGTERM)
-            process.wait(timeout=120)
     print(f"wrote {args.out}")
 
 

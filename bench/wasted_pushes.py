@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
+
+from loopback_run import DILOCOD, syncer_and_learners
 
 
 def main() -> None:
@@ -26,38 +23,17 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=120.0)
     parser.add_argument("--learners", type=int, default=2)
     args = parser.parse_args()
-    dilocod = [sys.executable, "-m", "dilocod"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with tempfile.TemporaryDirectory(prefix="dilocod-wasted-") as tmp:
-        work = Path(tmp)
-        serve = ["--listen", "127.0.0.1:0", "--insecure", "--ready-json", "--state-dir", str(work / "s")]
-        syncer = subprocess.Popen(
-            [*dilocod, "syncer", *serve], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env
-        )
-        assert syncer.stdout is not None
-        address = f"127.0.0.1:{json.loads(syncer.stdout.readline())['port']}"
-        join = ["--syncer", address, "--insecure", "--device", "cpu"]
-        learners = [
-            subprocess.Popen(
-                [*dilocod, "learner", *join, "--id", f"l{m}", "--state-dir", str(work / f"l{m}")],
-                stderr=subprocess.DEVNULL,
-                env=env,
-            )
-            for m in range(args.learners)
-        ]
+    with syncer_and_learners(args.learners) as run:
         time.sleep(args.seconds)  # the run's length, not a wait for an event
         status = json.loads(
             subprocess.run(
-                [*dilocod, "status", "--syncer", address, "--insecure", "--json"],
+                [*DILOCOD, "status", "--syncer", run.address, "--insecure", "--json"],
                 capture_output=True,
                 check=True,
                 text=True,
                 timeout=60,
             ).stdout
         )
-        for process in [*learners, syncer]:
-            process.send_signal(signal.SIGTERM)
-            process.wait(timeout=120)
     print(f"{args.seconds:g} s, {status['rounds_merged']} rounds merged")
     for learner in status["learners"]:
         pushes, wasted = learner["pushes"], learner["pushes_wasted"]

@@ -244,22 +244,28 @@ def test_late_push_joins_the_next_round_of_its_fragment() -> None:
     assert m4.pushes == (again,)
 
 
-def test_a_carried_push_never_lets_a_round_merge_as_it_opens() -> None:
-    """K = 1: a late push of b carried into the next round of its fragment must not be that
-    round's quorum; the round waits for an own push (a's), then merges it with b's."""
-    config = RoundConfig(fragments=1, sync_every=1, quorum=1)
-    rounds = started(config, ("a", "b"))
+def with_a_carried_push(late_steps: int = 4, late_tokens: int = 400) -> tuple[Rounds, Push, Request]:
+    """K = 1, P = H = 1, learners a and b: round 0 merges on a's push alone (version 1), b's push
+    for it completes after that and is carried; then both step, which opens round 1."""
+    rounds = started(RoundConfig(fragments=1, sync_every=1, quorum=1), ("a", "b"))
     r0 = first_round(rounds)
-    pa, late = push_for(r0, "a"), push_for(r0, "b")
+    pa, late = push_for(r0, "a"), push_for(r0, "b", steps=late_steps, tokens=late_tokens)
     rounds.admit(pa, now=0.1)
     rounds.admit(late, now=0.1)
     rounds.push_complete(pa, OK, now=0.2)
     (m0,) = of(Merge, rounds.tick(now=5.0))
     rounds.push_complete(late, OK, now=5.1)  # carried
-    rounds.merged(m0.round_index, now=5.2)
+    assert rounds.merged(m0.round_index, now=5.2) == 1
     actions = rounds.step("a", 10, 1.0, now=6.0) + rounds.step("b", 10, 1.0, now=6.0)
     (r1,) = of(Request, actions)
     assert of(Merge, actions) == []  # opened, not merged on b's carried push alone
+    return rounds, late, r1
+
+
+def test_a_carried_push_never_lets_a_round_merge_as_it_opens() -> None:
+    """K = 1: a late push of b carried into the next round of its fragment must not be that
+    round's quorum; the round waits for an own push (a's), then merges it with b's."""
+    rounds, _, r1 = with_a_carried_push()
     own = Push("a", r1.round_index, 0, 1, 1, 100)
     rounds.admit(own, now=6.1)
     assert of(Merge, rounds.push_complete(own, OK, now=6.2)) == []  # b may still answer
@@ -561,17 +567,7 @@ def test_a_late_push_joins_beside_its_learners_answer_from_a_newer_version() -> 
     """b's push misses its round (merged on a's alone), b adopts that merge, and its answer to the
     fragment's next round starts from the new version: the two hold different steps, so the late
     one joins that round beside it (left waiting, it went stale a round later: its upload wasted)."""
-    config = RoundConfig(fragments=1, sync_every=1, quorum=1)
-    rounds = started(config, ("a", "b"))
-    r0 = first_round(rounds)
-    pa, late = push_for(r0, "a"), push_for(r0, "b", steps=3, tokens=300)
-    rounds.admit(pa, now=0.1)
-    rounds.admit(late, now=0.1)
-    rounds.push_complete(pa, OK, now=0.2)
-    (m0,) = of(Merge, rounds.tick(now=5.0))
-    rounds.push_complete(late, OK, now=5.1)  # carried
-    assert rounds.merged(m0.round_index, now=5.2) == 1
-    (r1,) = of(Request, rounds.step("a", 10, 1.0, now=6.0) + rounds.step("b", 10, 1.0, now=6.0))
+    rounds, late, r1 = with_a_carried_push(late_steps=3, late_tokens=300)
     own_a, own_b = push_for(r1, "a", steps=2, tokens=200), push_for(r1, "b", steps=1, tokens=100)
     for push in (own_a, own_b):
         assert rounds.admit(push, now=6.1) is None
@@ -589,17 +585,7 @@ def test_a_late_push_joins_beside_its_learners_answer_from_a_newer_version() -> 
 def test_a_late_push_from_the_same_version_as_its_learners_answer_goes() -> None:
     """The answer from the same version holds every step of the late push: merging both would
     count them twice, so the late one is released (and counted as wasted)."""
-    config = RoundConfig(fragments=1, sync_every=1, quorum=1)
-    rounds = started(config, ("a", "b"))
-    r0 = first_round(rounds)
-    pa, late = push_for(r0, "a"), push_for(r0, "b")
-    rounds.admit(pa, now=0.1)
-    rounds.admit(late, now=0.1)
-    rounds.push_complete(pa, OK, now=0.2)
-    (m0,) = of(Merge, rounds.tick(now=5.0))
-    rounds.push_complete(late, OK, now=5.1)
-    rounds.merged(m0.round_index, now=5.2)
-    (r1,) = of(Request, rounds.step("a", 10, 1.0, now=6.0) + rounds.step("b", 10, 1.0, now=6.0))
+    rounds, late, r1 = with_a_carried_push()
     own_a, own_b = push_for(r1, "a"), push_for(r1, "b", base=0)  # b had not adopted version 1
     rounds.admit(own_a, now=6.1)
     rounds.admit(own_b, now=6.1)

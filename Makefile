@@ -29,12 +29,15 @@ define run_pytest
 	if [ $$rc -eq 5 ]; then echo "make $@: no tests were collected" >&2; exit 1; fi; exit $$rc
 endef
 
+# Tests run in parallel (pytest-xdist), one worker per core up to 4: most of their time is real
+# processes starting and stepping. test-slow keeps each file on one worker (a chaos run's fixtures
+# are shared by the tests of its file).
 test: venv
 	$(BIN)/ruff check dilocod tests bench
-	$(call run_pytest,-m "not slow")
+	$(call run_pytest,-m "not slow" -n auto --maxprocesses 4 --dist worksteal)
 
 test-slow: venv
-	$(call run_pytest,-m slow)
+	$(call run_pytest,-m slow -n auto --maxprocesses 2 --dist loadfile)
 
 lint: venv
 	$(BIN)/ruff check dilocod tests bench

@@ -61,6 +61,8 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+# A convergence check of two real learners: `make test-slow`.
+@pytest.mark.slow
 def test_two_learners_train_the_global_model(tmp_path: Path, entry_dir: Path) -> None:
     syncer = start_syncer(tmp_path, entry_dir, tmp_path / "syncer", *SYNCER_ARGS, entry=LEARNER_ENTRY)
     learners = [
@@ -119,6 +121,8 @@ def test_a_bad_entry_fails_before_connecting(tmp_path: Path, entry_dir: Path) ->
         assert "syncer unreachable" not in learner.stderr()
 
 
+# kill -9 and a restart on the state directory: `make test-slow` (tests/chaos does it too).
+@pytest.mark.slow
 def test_a_killed_learner_restarts_from_its_state_and_heals(tmp_path: Path, entry_dir: Path) -> None:
     syncer = start_syncer(tmp_path, entry_dir, tmp_path / "syncer", *SYNCER_ARGS, entry=LEARNER_ENTRY)
     state = tmp_path / "victim"
@@ -162,6 +166,8 @@ def test_a_killed_learner_restarts_from_its_state_and_heals(tmp_path: Path, entr
         assert syncer.stop() == 0, syncer.stderr()
 
 
+# Waits for a syncer that comes late: `make test-slow`.
+@pytest.mark.slow
 def test_a_learner_started_before_its_syncer_trains_on_and_joins(tmp_path: Path, entry_dir: Path) -> None:
     port = _free_port()
     early = start_learner(tmp_path, entry_dir, port, "early", "--join-timeout-s", "1")
@@ -189,6 +195,8 @@ def test_a_learner_started_before_its_syncer_trains_on_and_joins(tmp_path: Path,
             early.kill()
 
 
+# Three processes under torchrun for 120 steps: `make test-slow`.
+@pytest.mark.slow
 def test_a_torchrun_island_of_two_ranks(tmp_path: Path, entry_dir: Path) -> None:
     """torchrun --nproc-per-node 2 (gloo on CPU): rank 0 alone talks to the syncer, both ranks apply
     the same merged fragments at the same steps and end with the same parameters; the island's
@@ -244,6 +252,8 @@ def test_a_learner_whose_model_differs_is_refused_clearly(tmp_path: Path, entry_
         assert syncer.stop() == 0, syncer.stderr()
 
 
+# A convergence check at int4: `make test-slow`.
+@pytest.mark.slow
 def test_int4_outer_gradients_travel_and_train(tmp_path: Path, entry_dir: Path) -> None:
     """Two learners pushing int4 outer gradients (with error feedback): the syncer recognises the
     layout, decodes and merges them, and the global model trains; the pushes are about 1/7 of the

@@ -36,9 +36,10 @@ from dilocod.learner.layout import PlanMismatch, model_entries
 from dilocod.learner.link import Link, LinkConfig
 from dilocod.learner.netproc import ProcessBridge, SideReader, encode_config, open_network_process
 from dilocod.learner.runtime import LearnerStopped, RuntimeConfig, TrainingLoop
-from dilocod.learner.state import LocalStateError
+from dilocod.learner.state import LOCK_FILE, LocalStateError, learner_instance, rank_state_dir
 from dilocod.learner.threads import HostCpus, choose_intra_op_threads
 from dilocod.ops.notify import USEC_PER_S, Notifier, watchdog_loop
+from dilocod.ops.statedir import StateDirInUse, hold_state_dir
 
 log = structlog.get_logger("dilocod.learner")
 #: How long the network (process or thread) may take to say goodbye once training has stopped.
@@ -92,13 +93,30 @@ def load_entry(setup: LearnerSetup, device: torch.device) -> Trainer:
 def run_learner(setup: LearnerSetup, notifier: Notifier | None = None) -> None:
     """Train until SIGTERM, SIGINT or --steps; `notifier` (from cli.py) talks to systemd."""
     device = resolve_device(setup)
-    # The process group first: the user's factory may wrap the model for data parallelism.
-    island = Island.start(setup.island, device) if setup.island is not None else None
+    with contextlib.ExitStack() as held:
+        setup = claim_state_dir(setup, held)
+        # The process group first: the user's factory may wrap the model for data parallelism.
+        island = Island.start(setup.island, device) if setup.island is not None else None
+        try:
+            _run(setup, device, island, notifier or Notifier())
+        finally:
+            if island is not None:
+                island.close()
+
+
+def claim_state_dir(setup: LearnerSetup, held: contextlib.ExitStack) -> LearnerSetup:
+    """Lock this process's state directory until `held` closes (a second learner on it is a
+    setup error), and take the instance id kept there for the link: a restart of this learner is
+    then known to the syncer as the same learner, and takes its old session's place at once."""
+    state_dir = rank_state_dir(setup.runtime.state_dir, None if setup.island is None else setup.island.rank)
+    if state_dir is None:
+        return setup
     try:
-        _run(setup, device, island, notifier or Notifier())
-    finally:
-        if island is not None:
-            island.close()
+        hold_state_dir(state_dir, LOCK_FILE, "learner", held)
+        instance = learner_instance(state_dir)
+    except (StateDirInUse, OSError) as exc:
+        raise LearnerSetupError(str(exc)) from None
+    return dataclasses.replace(setup, link=dataclasses.replace(setup.link, instance=instance))
 
 
 def set_intra_op_threads(setup: LearnerSetup, torch_default: int) -> None:

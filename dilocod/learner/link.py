@@ -115,6 +115,9 @@ class LinkConfig:
     join_timeout_s: float = 60.0
     backoff_min_s: float = 0.5
     backoff_max_s: float = 30.0
+    #: This learner's instance id (JOIN's instance), kept in its state directory across restarts;
+    #: "" draws one for this process (a learner without a state directory).
+    instance: str = ""
 
 
 @dataclass(slots=True)
@@ -178,9 +181,10 @@ class Link:
         self.bridge = bridge
         self.stats = LinkStats()
         self.incarnation = ""
-        #: This learner's own id for the syncer (JOIN's instance), the same for all its sessions:
-        #: a reconnect takes its old session's place, another learner under its id is refused.
-        self.instance = secrets.token_hex(16)
+        #: This learner's own id for the syncer (JOIN's instance), the same for all its sessions
+        #: (and, with a state directory, its restarts): a reconnect or a restart takes its old
+        #: session's place, another learner under its id is refused.
+        self.instance = config.instance or secrets.token_hex(16)
         self.session: Session | None = None
         self._manifests: list[tuple[TensorEntry, ...]] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dilocod-push")

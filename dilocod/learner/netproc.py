@@ -822,6 +822,7 @@ def encode_config(link: Any, model: Sequence[Any], incarnation: str, use_uvloop:
             "join_timeout_s",
             "backoff_min_s",
             "backoff_max_s",
+            "instance",
         )
     }
     values["tls_files"] = None if link.tls_files is None else [str(p) for p in link.tls_files]

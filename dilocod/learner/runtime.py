@@ -28,7 +28,13 @@ from dilocod.learner.bridge import Adopt, Buffer, CopyInFlight, Inbox, Snapshot,
 from dilocod.learner.entry import EntryError, check_step_result, step_failed
 from dilocod.learner.island import Island
 from dilocod.learner.layout import FragmentLayout, layouts_for
-from dilocod.learner.state import LocalStateError, check_loadable, load_local_state, save_local_state
+from dilocod.learner.state import (
+    LocalStateError,
+    check_loadable,
+    load_local_state,
+    rank_state_dir,
+    save_local_state,
+)
 from dilocod.outer import apply_update_
 from dilocod.wire.codecs import checksum
 
@@ -176,9 +182,7 @@ class TrainingLoop:
     @property
     def state_dir(self) -> Path | None:
         """Where this process keeps its state: one directory per rank in an island."""
-        if self.config.state_dir is None or self.island is None:
-            return self.config.state_dir
-        return self.config.state_dir / f"rank-{self.island.rank}"
+        return rank_state_dir(self.config.state_dir, None if self.island is None else self.island.rank)
 
     def restore(self) -> bool:
         """Model, inner optimizer, user state and step count from --state-dir, if saved there."""

@@ -6,6 +6,11 @@ What that load would refuse is refused before it is written (check_loadable, wit
 unpickler): a learner must never save a file that makes its next start fail. The learner also runs
 the check on the factory's initial state at startup, so such a state is reported within seconds.
 
+The directory also holds the learner's instance id: the syncer lets a learner that comes back with
+the instance of a session it still holds take that session's place at once (a restart after a
+crash, whose old connections may look alive for a while), and refuses another learner under the
+same --id. A lock on the directory keeps a second process off it.
+
 The global fragments are not saved here: after a restart the learner heals from the syncer. Must
 not import networking.
 """
@@ -15,6 +20,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import secrets
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -25,6 +31,11 @@ import torch
 
 STATE_FILE = "learner-state.pt"
 FORMAT = "dilocod-learner-state/1"
+#: Held (flock) by the learner process that uses the directory, for its whole life.
+LOCK_FILE = "learner.lock"
+#: This learner's instance id (JOIN's instance): made at the first start, kept across restarts.
+INSTANCE_FILE = "instance"
+_INSTANCE = re.compile(r"[0-9a-f]{32}")
 #: How the top-level parts of the state are named to the user, in check_loadable's message.
 PART_NAMES = {
     "user": "Trainer.state_dict()",
@@ -157,3 +168,29 @@ def load_local_state(state_dir: Path) -> dict[str, Any] | None:
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise LocalStateError(f"{path} is not a dilocod learner state ({FORMAT})")
     return state
+
+
+def rank_state_dir(state_dir: Path | None, rank: int | None) -> Path | None:
+    """Where one process keeps its state: --state-dir itself, or one directory per rank of an
+    island (rank is None outside torchrun)."""
+    if state_dir is None or rank is None:
+        return state_dir
+    return state_dir / f"rank-{rank}"
+
+
+def learner_instance(state_dir: Path) -> str:
+    """The instance id kept in state_dir, made (random, 128 bits) and written atomically at the
+    first start or when the file is missing or unreadable."""
+    path = state_dir / INSTANCE_FILE
+    try:
+        found = path.read_text().strip()
+    except OSError:
+        found = ""
+    if _INSTANCE.fullmatch(found):
+        return found
+    instance = secrets.token_hex(16)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    temporary = state_dir / f".{INSTANCE_FILE}.{os.getpid()}.tmp"
+    temporary.write_text(instance + "\n")
+    os.replace(temporary, path)
+    return instance

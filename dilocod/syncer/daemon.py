@@ -9,7 +9,6 @@ a SetupError naming what to fix.
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import os
 import secrets
 import signal
@@ -28,6 +27,7 @@ from dilocod.contract import LearnerContext
 from dilocod.learner.entry import EntryError, load_trainer
 from dilocod.learner.layout import PlanMismatch, model_entries
 from dilocod.ops.notify import watchdog_loop
+from dilocod.ops.statedir import StateDirInUse, hold_state_dir
 from dilocod.outer import plan_fragments
 from dilocod.syncer.checkpoint import CheckpointError, load_latest_checkpoint
 from dilocod.syncer.model import GlobalModel, ModelMismatch
@@ -51,18 +51,9 @@ class Prepared:
 def lock_state_dir(state_dir: Path, stack: ExitStack) -> None:
     """Hold an exclusive lock on the state directory for the life of the process."""
     try:
-        state_dir.mkdir(parents=True, exist_ok=True)
-        handle = stack.enter_context((state_dir / LOCK_FILE).open("a+"))
-    except OSError as exc:
-        raise SetupError(f"--state-dir {state_dir}: {exc.strerror or exc}") from None
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise SetupError(f"--state-dir {state_dir} is in use by another syncer") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"{os.getpid()}\n")
-    handle.flush()
+        hold_state_dir(state_dir, LOCK_FILE, "syncer", stack)
+    except StateDirInUse as exc:
+        raise SetupError(str(exc)) from None
 
 
 def prepare(config: SyncerConfig, secret: bytes | None, *, tls: ssl.SSLContext | None = None) -> Prepared:

@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import sys
 from pathlib import Path
 
 import pytest
 
+from dilocod.learner.layout import model_entries
+from dilocod.learner.state import learner_instance
 from dilocod.transport.endpoints import connect
 from dilocod.transport.errors import SessionClosed
 from dilocod.transport.loop import run
 from dilocod.transport.session import Session
 from dilocod.wire.errors import ErrorCode
+from dilocod.wire.manifest import ModelEntry
 from dilocod.wire.messages import Join, Plan
 
 from .syncer_process import (
@@ -121,4 +125,77 @@ def test_the_same_learner_process_reconnecting_takes_its_place_back(tmp_path: Pa
         run(main())
         syncer.wait_for("learner session replaced", lambda r: r["learner"] == "same", DEADLINE_S)
     finally:
+        assert syncer.stop() == 0, syncer.stderr()
+
+
+def _learner_model(entry_dir: Path) -> tuple[ModelEntry, ...]:
+    """The model of the learner entry (LEARNER_ENTRY) as JOIN lists it."""
+    sys.path.insert(0, str(entry_dir))
+    try:
+        import learner_test_entry
+
+        from dilocod import LearnerContext
+
+        ctx = LearnerContext("t", "syncer", "cpu", 0, 1, None, 0)
+        return tuple(model_entries(learner_test_entry.make_trainer(ctx).model))
+    finally:
+        sys.path.remove(str(entry_dir))
+
+
+def test_a_learner_restarted_on_its_state_dir_takes_its_old_sessions_place(
+    tmp_path: Path, entry_dir: Path
+) -> None:
+    """A learner's host crashed and came back before the syncer noticed: its old session still
+    looks alive (here a session kept open and just heard from, as a half-open connection on a WAN
+    looks). Started again on its state directory, the learner carries the instance kept there and
+    takes that session's place at once: it is not refused as another learner under its id (which
+    would exit 78, and systemd would not restart it)."""
+    syncer = start_syncer(tmp_path, entry_dir, tmp_path / "syncer", *SYNCER_ARGS, entry=LEARNER_ENTRY)
+    state = tmp_path / "state"
+    instance = learner_instance(state)  # made by the learner's first start, before the crash
+
+    async def old_session() -> Session:
+        session = await connect("127.0.0.1", syncer.port, peer_id="phoenix", streams=0)
+        await session.send(Join(_learner_model(entry_dir), "", instance))
+        async with asyncio.timeout(DEADLINE_S):
+            assert isinstance(await session.recv(), Plan)
+        return session
+
+    async def main() -> None:
+        old = await old_session()
+        restarted = start_learner(
+            tmp_path, entry_dir, syncer.port, "phoenix", "--state-dir", str(state), "--steps", "30"
+        )
+        try:
+            assert await asyncio.to_thread(restarted.process.wait, DEADLINE_S) == 0, restarted.stderr()
+        finally:
+            if restarted.alive():
+                restarted.kill()
+        async with asyncio.timeout(DEADLINE_S):
+            await old.closed.wait()  # replaced
+        await old.close("done")
+
+    try:
+        run(main())
+        syncer.wait_for("learner session replaced", lambda r: r["learner"] == "phoenix", DEADLINE_S)
+        assert syncer.log_events("learner id in use") == []
+    finally:
+        assert syncer.stop() == 0, syncer.stderr()
+
+
+def test_two_learners_on_one_state_dir_are_refused(tmp_path: Path, entry_dir: Path) -> None:
+    """The state directory is one learner's: a second process started on it exits 78 naming the
+    directory and the pid that holds it, and touches nothing there."""
+    syncer = start_syncer(tmp_path, entry_dir, tmp_path / "syncer", *SYNCER_ARGS, entry=LEARNER_ENTRY)
+    state = tmp_path / "state"
+    first = start_learner(tmp_path, entry_dir, syncer.port, "one", "--state-dir", str(state))
+    try:
+        first.wait_for("joined", lambda r: True, DEADLINE_S)
+        second = start_learner(tmp_path, entry_dir, syncer.port, "two", "--state-dir", str(state))
+        assert second.process.wait(timeout=DEADLINE_S) == 78, second.stderr()
+        assert f"--state-dir {state} is in use by another learner (pid {first.pid})" in second.stderr()
+        assert first.alive()
+    finally:
+        if first.alive():
+            first.kill()
         assert syncer.stop() == 0, syncer.stderr()

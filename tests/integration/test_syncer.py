@@ -20,6 +20,7 @@ import sys
 import urllib.request
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -323,7 +324,14 @@ def test_a_stopped_learner_does_not_hold_k1_rounds_back(tmp_path: Path, entry_di
             command += ["--shapes", shapes, "--step-s", str(step_s), "--tokens", str(tokens)]
             with (tmp_path / f"{name}.stderr").open("wb") as stderr:
                 learners[name] = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
-        syncer.wait_for("round merged", lambda r: "c" in r["contributors"], DEADLINE_S)
+        # Every learner has contributed (one that starts late on a loaded host is waited for).
+        seen: set[str] = set()
+
+        def everyone_merged(record: dict[str, Any]) -> bool:
+            seen.update(record["contributors"])
+            return seen == set(SPEEDS)
+
+        syncer.wait_for("round merged", everyone_merged, DEADLINE_S)
         learners["c"].send_signal(signal.SIGSTOP)
         stopped_after = syncer.log_events("round merged")[-1]["round"]
         # Rounds go on without c: CLEAR_ROUNDS of them merge after the stop without c (rounds that

@@ -122,8 +122,8 @@ def _wasted(learner: dict[str, Any]) -> str:
 
 
 def describe_quorum_sizes(sizes: dict[str, int]) -> str:
-    """How many pushes the merged rounds took, in words, the commonest first: {"1": 40, "2": 12}
-    reads "40 rounds with 1 push, 12 with 2"."""
+    """How many learners the merged rounds took, in words, the commonest first: {"1": 40, "2": 12}
+    reads "40 rounds with 1 learner, 12 with 2"."""
     if not sizes:
         return "no round merged yet"
     parts = []
@@ -132,7 +132,7 @@ def describe_quorum_sizes(sizes: dict[str, int]) -> str:
             parts.append(f"{count} with {size}")
         else:
             rounds = "round" if count == 1 else "rounds"
-            parts.append(f"{count} {rounds} with {size} {'push' if size == 1 else 'pushes'}")
+            parts.append(f"{count} {rounds} with {size} {'learner' if size == 1 else 'learners'}")
     return ", ".join(parts)
 
 

@@ -44,7 +44,7 @@ def test_demo_shows_progress_and_what_its_result_means(tmp_path: Path) -> None:
     quorum in words, and the eval loss against where it started."""
     out = _demo(tmp_path, "--minutes", "0.3").stdout
     assert re.search(r"^learner-1\s+running\s+step\s+\d+", out, re.MULTILINE), out
-    quorum = r"^syncer: \d+ rounds merged .*; quorum: (\d+ rounds? with \d pushe?s?|no round merged yet)"
+    quorum = r"^syncer: \d+ rounds merged .*; quorum: (\d+ rounds? with \d learners?|no round merged yet)"
     assert re.search(quorum, out, re.MULTILINE), out
     loss, initial = _eval_loss(out)
     assert 0 < loss < initial

@@ -32,9 +32,9 @@ def test_an_entry_without_a_unit_still_reads_cleanly() -> None:
 
 
 def test_quorum_sizes_read_as_a_sentence() -> None:
-    assert describe_quorum_sizes({"1": 40, "2": 12}) == "40 rounds with 1 push, 12 with 2"
-    assert describe_quorum_sizes({"3": 5, "2": 5}) == "5 rounds with 2 pushes, 5 with 3"
-    assert describe_quorum_sizes({"2": 1}) == "1 round with 2 pushes"
+    assert describe_quorum_sizes({"1": 40, "2": 12}) == "40 rounds with 1 learner, 12 with 2"
+    assert describe_quorum_sizes({"3": 5, "2": 5}) == "5 rounds with 2 learners, 5 with 3"
+    assert describe_quorum_sizes({"2": 1}) == "1 round with 2 learners"
     assert describe_quorum_sizes({}) == "no round merged yet"
 
 
@@ -56,4 +56,4 @@ def test_status_shows_the_quorum_sentence() -> None:
         "fragments": [{"index": 0, "version": 52}],
         "learners": [],
     }
-    assert "quorum: 40 rounds with 1 push, 12 with 2" in format_status(status)
+    assert "quorum: 40 rounds with 1 learner, 12 with 2" in format_status(status)

@@ -55,8 +55,10 @@ class ScriptedLearner:
     #: step's clock tick opens); wait for its update before the next step.
     lockstep: bool = False
     secret: bytes | None = None
-    #: This many first pushes carry NaN instead of the outer gradient (a diverged learner).
+    #: This many first pushes carry poison_value in every element instead of the outer gradient
+    #: (NaN: a diverged learner; a huge finite value: a hostile one).
     poison_pushes: int = 0
+    poison_value: float = float("nan")
     emit: Callable[[dict[str, Any]], None] = lambda event: None
     plan: Plan | None = None
     manifests: list[tuple[TensorEntry, ...]] = field(default_factory=list)
@@ -186,7 +188,7 @@ class ScriptedLearner:
         delta = (self.anchors[p] - self.local[p]).contiguous()
         if self.poison_pushes > 0:
             self.poison_pushes -= 1
-            delta.fill_(float("nan"))
+            delta.fill_(self.poison_value)
         data = bytearray(delta.numel() * 4)
         torch.frombuffer(data, dtype=torch.float32).copy_(delta)
         header = PushHeader(

@@ -4,15 +4,20 @@ finite: pushes screened against their fragment's norm, merges committed only whe
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
 import torch
+from structlog.testing import capture_logs
 
+from dilocod.config import SyncerConfig
 from dilocod.learner.layout import model_entries
 from dilocod.outer import mean_merge, nesterov_step_, plan_fragments, rda_merge
 from dilocod.outer.guard import FRAGMENT_NORM_TOO_LARGE, NON_FINITE_RESULT, l2_norm
 from dilocod.syncer.model import GlobalModel, MergeRejected, ModelMismatch, Snapshot, first_mismatch
+from dilocod.syncer.rounds import Merge, Push, Request, RoundConfig, Rounds
+from dilocod.syncer.service import SyncerService
 from dilocod.wire.codecs import chunk_checksums
 from dilocod.wire.manifest import ModelEntry
 
@@ -239,3 +244,46 @@ def test_load_after_publishing_is_refused() -> None:
     model.publish_all()
     with pytest.raises(RuntimeError, match="publish_all"):
         model.load(dict(module.named_parameters()))
+
+
+def test_the_service_counts_a_rejected_merge_and_publishes_nothing() -> None:
+    """The round whose merge is not committed is dropped (abandoned), its pushes counted under
+    non-finite-result, its fragment left at its version with its snapshot as it was."""
+    module = torch.nn.Linear(4, 2)
+    specs = model_entries(module)
+    model = GlobalModel(
+        plan_fragments([(s.name, s.shape) for s in specs], 1), specs, chunk_bytes=CHUNK, embedding_pattern="-"
+    )
+    model.load({n: torch.full_like(p, 3e38) for n, p in module.named_parameters()})
+    rounds = Rounds(RoundConfig(fragments=1, sync_every=1))
+    service = SyncerService(
+        SyncerConfig(),
+        model,
+        rounds,
+        state_dir=None,
+        incarnation="test",
+        secret=None,
+        meta={},
+        clock=lambda: 0.0,
+    )  # type: ignore[arg-type]
+    model.publish_all()
+    before = _state(model, 0)
+    try:
+        rounds.join("a", 0.0)
+        (request,) = [a for a in rounds.step("a", 1, 1.0, 0.0) if isinstance(a, Request)]
+        push = Push("a", request.round_index, 0, request.version, 4, 400)
+        assert rounds.admit(push, 0.0) is None
+        buffer = _push(model, 0, -3e38)
+        verdict = model.screen(0, buffer, [], max_norm_ratio=10.0)
+        assert verdict.accepted
+        (merge,) = [a for a in rounds.push_complete(push, verdict, 0.0) if isinstance(a, Merge)]
+        service._push_buffers[("a", request.round_index)] = (push, memoryview(buffer))
+        with capture_logs() as logs:
+            asyncio.run(service._merge(merge))
+    finally:
+        service._executor.shutdown()
+        service._screener.shutdown()
+    assert [entry["reason"] for entry in logs if entry["event"] == "merge rejected"] == [NON_FINITE_RESULT]
+    assert rounds.rejected[NON_FINITE_RESULT] == 1 and rounds.rounds_abandoned == 1
+    assert _state(model, 0) == before and model.acquire(0).version == 0
+    assert service.status()["rejected_by_reason"] == {NON_FINITE_RESULT: 1}

@@ -16,9 +16,10 @@ the new Θ_p and b_p are finite (outer.guard.l2_norm of each): otherwise both go
 were (Θ_p from the current snapshot, which holds the master's version; b_p from a copy taken into
 the snapshot-to-be first) and MergeRejected says why; nothing is published.
 
-Threads. `merge` and `screen` run in the syncer's one merge worker thread, one at a time; they only
-touch the fragment they are given and buffers the event loop handed them. Everything else runs on
-the event loop. Must not import networking or logging.
+Threads. `merge` runs in the syncer's one merge worker thread, one at a time; it only touches the
+fragment it is given and buffers the event loop handed it. `screen` runs in the screen thread and
+reads only the push and the fragment's `norm`, a float the merge replaces whole. Everything else
+runs on the event loop. Must not import networking or logging.
 """
 
 from __future__ import annotations

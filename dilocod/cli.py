@@ -520,6 +520,11 @@ def status(
 @click.option("--checkpoint-every-s", help="Seconds between checkpoints.  [default: 300]")
 @click.option("--staleness", help="Versions a late push may trail and still be merged.  [default: 1]")
 @click.option("--max-norm-ratio", help="Reject outer gradients above this x the median norm.  [default: 10]")
+@click.option(
+    "--max-fragment-ratio",
+    help="Reject outer gradients above this x their fragment's norm, taken as at least 1 per value (RMS).  "
+    "[default: 10]",
+)
 @click.option("--chunk", help="Chunk size of updates.  [default: 1MiB]")
 @click.option("--codec", help="Codec of updates: none, lz4 or zstd.  [default: none]")
 @click.option("--seed", help="Seed handed to the factory.  [default: 0]")

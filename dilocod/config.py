@@ -270,6 +270,10 @@ class SyncerConfig:
     staleness: int = 1
     #: Outer gradients with a norm above this multiple of the running median are rejected.
     max_norm_ratio: float = 10.0
+    #: Outer gradients with a norm above this multiple of their fragment's (at least 1 per value,
+    #: RMS) are rejected from the first push on. The value of outer.guard.DEFAULT_MAX_FRAGMENT_RATIO
+    #: (this module stays torch-free; tests/unit/test_config_daemons.py holds them equal).
+    max_fragment_ratio: float = 10.0
     #: How updates travel: chunk size and codec (learners choose their own for pushes).
     chunk: int = 1 << 20
     codec: str = "none"
@@ -298,6 +302,7 @@ SYNCER_FIELDS: dict[str, Parse] = {
     "checkpoint_every_s": _number(0.0, low_open=True),
     "staleness": _integer(0, 1_000),
     "max_norm_ratio": _number(1.0),
+    "max_fragment_ratio": _number(0.0, low_open=True),
     "chunk": _size,
     "codec": _text(WIRE_CODECS),
     "seed": _integer(0, 2**63 - 1),

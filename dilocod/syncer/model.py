@@ -11,13 +11,20 @@ is lent to every send that uses it; the next merge of that fragment writes into 
 reading, so a slow learner never sees a half-merged fragment. Buffers are reused: a fresh 100 MB
 allocation costs about six memcpys in page faults.
 
-Threads. `merge` and `screen` run in the syncer's one merge worker thread, one at a time; they only
-touch the fragment they are given and buffers the event loop handed them. Everything else runs on
-the event loop. Must not import networking or logging.
+Commit. `merge` is the one place a merged fragment replaces the old one, and it does so only when
+the new Θ_p and b_p are finite (outer.guard.l2_norm of each): otherwise both go back to what they
+were (Θ_p from the current snapshot, which holds the master's version; b_p from a copy taken into
+the snapshot-to-be first) and MergeRejected says why; nothing is published.
+
+Threads. `merge` runs in the syncer's one merge worker thread, one at a time; it only touches the
+fragment it is given and buffers the event loop handed it. `screen` runs in the screen thread and
+reads only the push and the fragment's `norm`, a float the merge replaces whole. Everything else
+runs on the event loop. Must not import networking or logging.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -25,7 +32,13 @@ import torch
 from torch import Tensor
 
 from dilocod.outer import FragmentPlan, embedding_mask, outer_step_
-from dilocod.outer.guard import Verdict, check_outer_gradient
+from dilocod.outer.guard import (
+    DEFAULT_MAX_FRAGMENT_RATIO,
+    NON_FINITE_RESULT,
+    Verdict,
+    check_outer_gradient,
+    l2_norm,
+)
 from dilocod.precision import tensor_views
 from dilocod.wire.codecs import chunk_checksums
 from dilocod.wire.manifest import ModelEntry, TensorEntry, pack_manifest
@@ -33,6 +46,15 @@ from dilocod.wire.manifest import ModelEntry, TensorEntry, pack_manifest
 
 class ModelMismatch(ValueError):
     """A learner's (or a checkpoint's) parameters differ from the syncer's plan; names the first."""
+
+
+class MergeRejected(Exception):
+    """A merge was not committed: its result is not a model to serve. Θ_p, b_p and the version are
+    as they were before it; reason is a guard reason (NON_FINITE_RESULT)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(slots=True)
@@ -57,6 +79,8 @@ class FragmentStore:
     is_embedding: list[bool]
     #: The version the master holds (changed only by merge, in the worker).
     version: int = 0
+    #: ‖Θ_p‖ at that version: the scale the screen bounds outer gradients by (set with the version).
+    norm: float = 0.0
     current: Snapshot | None = None
     #: Snapshot buffers nobody reads any more, kept for the next merge of this fragment.
     spare: list[bytearray] = field(default_factory=list)
@@ -105,7 +129,9 @@ class GlobalModel:
         versions: Sequence[int] | None = None,
     ) -> None:
         """Fill Θ (and b, zeros when not given) from tensors keyed by parameter name, at versions
-        (zeros when not given)."""
+        (zeros when not given). Only before publish_all: a merge rolls Θ back to the snapshot."""
+        if any(store.current is not None for store in self.fragments):
+            raise RuntimeError("load() after publish_all(): the snapshots would hold another model")
         if versions is not None and len(versions) != len(self.fragments):
             raise ModelMismatch(f"{len(versions)} versions for {len(self.fragments)} fragments")
         for name in self.order:
@@ -128,6 +154,7 @@ class GlobalModel:
                         buf.zero_()
                     else:
                         buf.copy_(momentum[entry.name])
+                store.norm = l2_norm(store.params)
 
     @property
     def versions(self) -> list[int]:
@@ -188,11 +215,7 @@ class GlobalModel:
     # ------------------------------------------------------------------ merge worker
 
     def copy_out(self, index: int, target: bytearray) -> None:
-        store = self.fragments[index]
-        if store.raw_bytes:
-            torch.frombuffer(target, dtype=torch.uint8).copy_(
-                torch.frombuffer(store.master, dtype=torch.uint8)
-            )
+        _copy_bytes(self.fragments[index].master, target)
 
     def deltas(self, index: int, buffer: bytearray | memoryview) -> list[Tensor]:
         """The float32 tensors of a push of fragment index, read in place."""
@@ -202,9 +225,21 @@ class GlobalModel:
         return tensor_views(buffer, store.manifest)
 
     def screen(
-        self, index: int, buffer: bytearray | memoryview, history: Sequence[float], max_norm_ratio: float
+        self,
+        index: int,
+        buffer: bytearray | memoryview,
+        history: Sequence[float],
+        max_norm_ratio: float,
+        max_fragment_ratio: float = DEFAULT_MAX_FRAGMENT_RATIO,
     ) -> Verdict:
-        return check_outer_gradient(self.deltas(index, buffer), history, max_norm_ratio=max_norm_ratio)
+        """Screen a push of fragment index against ‖Θ_p‖ at its latest merge and the history."""
+        return check_outer_gradient(
+            self.deltas(index, buffer),
+            history,
+            fragment_norm=self.fragments[index].norm,
+            max_fragment_ratio=max_fragment_ratio,
+            max_norm_ratio=max_norm_ratio,
+        )
 
     def merge(
         self,
@@ -219,8 +254,21 @@ class GlobalModel:
         version: int,
     ) -> Snapshot:
         """Merge the pushes into Θ_p and step b_p and Θ_p in place, now at `version`; then copy
-        Θ_p into target and hash it: the snapshot to publish. The pushes' contents are consumed."""
+        Θ_p into target and hash it: the snapshot to publish. The pushes' contents are consumed.
+
+        Raises MergeRejected, with Θ_p, b_p and the version as they were, when the new Θ_p or b_p
+        holds a non-finite value (see the module docstring, Commit)."""
         store = self.fragments[index]
+        current = store.current
+        # The current snapshot is a copy of the master at its version (publish_all, and every
+        # merge's own snapshot); without one (a merge before publish_all) Θ_p is copied here.
+        saved_params = (
+            current.buffer
+            if current is not None and current.version == store.version
+            else bytearray(store.master)
+        )
+        # target receives the new snapshot only at the end: until then it holds the old b_p.
+        _copy_bytes(store.momentum, target)
         # The pushes are the syncer's own buffers, back to the pool right after: the merge may
         # write its intermediate direction into one of them instead of a scratch buffer, which saves
         # a fragment-sized write and read per round (bench/RESULTS.md §3).
@@ -235,9 +283,24 @@ class GlobalModel:
             is_embedding=store.is_embedding,
             consume_deltas=True,
         )
+        norm = l2_norm(store.params)
+        if not (math.isfinite(norm) and math.isfinite(l2_norm(store.momentum_views))):
+            _copy_bytes(saved_params, store.master)
+            _copy_bytes(target, store.momentum)
+            raise MergeRejected(
+                NON_FINITE_RESULT,
+                f"fragment {index}: the merge for version {version} gave non-finite parameters or "
+                f"momentum; not committed, the fragment stays at version {store.version}",
+            )
         store.version = version
+        store.norm = norm
         self.copy_out(index, target)
         return Snapshot(version, target, chunk_checksums(target, self.chunk_bytes))
+
+
+def _copy_bytes(source: bytearray, target: bytearray) -> None:
+    if source:
+        torch.frombuffer(target, dtype=torch.uint8).copy_(torch.frombuffer(source, dtype=torch.uint8))
 
 
 def first_mismatch(ours: Sequence[ModelEntry], theirs: Sequence[ModelEntry]) -> str | None:

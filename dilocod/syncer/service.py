@@ -30,7 +30,7 @@ from dilocod.ops.priority import lower_this_thread
 from dilocod.outer.guard import Verdict
 from dilocod.precision import PRECISIONS, decode, precision_of
 from dilocod.syncer.checkpoint import SyncerState, save_checkpoint
-from dilocod.syncer.model import GlobalModel, Snapshot, first_mismatch
+from dilocod.syncer.model import GlobalModel, MergeRejected, Snapshot, first_mismatch
 from dilocod.syncer.rounds import Action, Merge, Push, Refusal, Release, Request, Rounds
 from dilocod.syncer.steprate import StepRates
 from dilocod.transport.endpoints import Server
@@ -492,7 +492,9 @@ class SyncerService:
             if target is not None:
                 decode(buffer, shapes, precision, self.model.deltas(push.fragment, target))
                 data = target
-            return self.model.screen(push.fragment, data, history, self.config.max_norm_ratio)
+            return self.model.screen(
+                push.fragment, data, history, self.config.max_norm_ratio, self.config.max_fragment_ratio
+            )
 
         verdict: Verdict = await asyncio.get_running_loop().run_in_executor(self._screener, work)
         key = (push.learner, push.round_index)
@@ -593,6 +595,18 @@ class SyncerService:
         self._merge_started[merge.round_index] = started
         try:
             snapshot, digest = await asyncio.get_running_loop().run_in_executor(self._executor, run)
+        except MergeRejected as exc:
+            # Its pushes are not merged, counted by reason like pushes the screen rejects.
+            log.warning(
+                "merge rejected",
+                fragment=merge.fragment,
+                round=merge.round_index,
+                reason=exc.reason,
+                detail=str(exc),
+            )
+            self.rounds.rejected[exc.reason] += len(merge.pushes)
+            self.rounds.merge_failed(merge.round_index, self.clock())
+            return
         except Exception as exc:
             log.error("merge failed", fragment=merge.fragment, round=merge.round_index, error=repr(exc))
             self.rounds.merge_failed(merge.round_index, self.clock())

@@ -55,6 +55,7 @@ SAMPLE_VALUES: dict[str, object] = {
     "checkpoint_every_s": 60,
     "staleness": 2,
     "max_norm_ratio": 5.0,
+    "max_fragment_ratio": 2.5,
     "chunk": "64KiB",
     "codec": "zstd",
     "precision": "bf16",
@@ -171,3 +172,25 @@ def test_the_default_seed_is_stable_and_fits_every_rng() -> None:
         env={**os.environ, "PYTHONHASHSEED": "123"},
     )
     assert int(done.stdout) == learner_seed("site-a")  # not Python's salted hash()
+
+
+def test_the_syncer_guard_defaults_are_the_guard_s_own() -> None:
+    """config.py stays torch-free, so it writes the guard's defaults out instead of importing them."""
+    from dilocod.outer import guard
+
+    config = SyncerConfig()
+    assert config.max_norm_ratio == guard.DEFAULT_MAX_NORM_RATIO
+    assert config.max_fragment_ratio == guard.DEFAULT_MAX_FRAGMENT_RATIO
+
+
+@pytest.mark.parametrize("value", [0, -1.0, "inf", "nan", "many"])
+def test_a_meaningless_max_fragment_ratio_is_refused_naming_the_key(value: object) -> None:
+    with pytest.raises(ConfigError, match="--max-fragment-ratio"):
+        load_config(SyncerConfig, SYNCER_FIELDS, None, {"max_fragment_ratio": value})
+
+
+def test_max_fragment_ratio_is_a_syncer_flag() -> None:
+    from dilocod.cli import main
+
+    result = CliRunner().invoke(main, ["syncer", "--help"])
+    assert result.exit_code == 0 and "--max-fragment-ratio" in result.output

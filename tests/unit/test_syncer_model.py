@@ -1,14 +1,23 @@
 """The syncer's global model store: packed fragments, snapshots lent to sends and reused, the merge
-against dilocod.outer applied to plain tensors, and model mismatches named."""
+against dilocod.outer applied to plain tensors, model mismatches named, and a model that stays
+finite: pushes screened against their fragment's norm, merges committed only when finite."""
 
 from __future__ import annotations
 
+import asyncio
+import math
+
 import pytest
 import torch
+from structlog.testing import capture_logs
 
+from dilocod.config import SyncerConfig
 from dilocod.learner.layout import model_entries
 from dilocod.outer import mean_merge, nesterov_step_, plan_fragments, rda_merge
-from dilocod.syncer.model import GlobalModel, ModelMismatch, Snapshot, first_mismatch
+from dilocod.outer.guard import FRAGMENT_NORM_TOO_LARGE, NON_FINITE_RESULT, l2_norm
+from dilocod.syncer.model import GlobalModel, MergeRejected, ModelMismatch, Snapshot, first_mismatch
+from dilocod.syncer.rounds import Merge, Push, Request, RoundConfig, Rounds
+from dilocod.syncer.service import SyncerService
 from dilocod.wire.codecs import chunk_checksums
 from dilocod.wire.manifest import ModelEntry
 
@@ -117,3 +126,164 @@ def test_merge_equals_the_outer_functions_on_plain_tensors() -> None:
     assert bytes(snapshot.buffer) == bytes(store.master)
     assert snapshot.version == 1 and model.versions[index] == 1
     assert snapshot.checksums == chunk_checksums(store.master, CHUNK)
+
+
+def _push(model: GlobalModel, index: int, value: float) -> bytearray:
+    push = bytearray(model.fragments[index].raw_bytes)
+    for view in model.deltas(index, push):
+        view.fill_(value)
+    return push
+
+
+def _state(model: GlobalModel, index: int) -> tuple[bytes, bytes, int]:
+    store = model.fragments[index]
+    return bytes(store.master), bytes(store.momentum), store.version
+
+
+def _finite(model: GlobalModel, index: int) -> bool:
+    store = model.fragments[index]
+    return all(bool(torch.isfinite(t).all()) for t in [*store.params, *store.momentum_views])
+
+
+def test_one_push_of_huge_finite_values_is_refused_by_a_fresh_fragment() -> None:
+    """The attack measured on a fresh syncer (--fragments 4): one push of finite 3e38 values, from a
+    learner holding the key, before the fragment had any accepted norm. It used to be accepted
+    (finiteness was all the guard checked) and its merge served the whole fragment non-finite."""
+    model, _ = build(fragments=4)
+    model.publish_all()
+    before = _state(model, 0)
+    push = _push(model, 0, 3e38)
+    verdict = model.screen(0, push, history=[], max_norm_ratio=10.0)
+    assert (verdict.accepted, verdict.reason) == (False, FRAGMENT_NORM_TOO_LARGE)
+    assert math.isfinite(verdict.norm) and verdict.limit is not None and verdict.norm > verdict.limit
+    assert _state(model, 0) == before and _finite(model, 0)
+    # Had the screen let it through, the merge would not commit it either.
+    with pytest.raises(MergeRejected, match="non-finite"):
+        model.merge(0, [push], [1.0], lr=0.7, mu=0.9, merge="rda", target=model.spare_buffer(0), version=1)
+    assert _state(model, 0) == before and _finite(model, 0)
+
+
+def test_screen_scales_by_the_fragment_as_of_its_last_merge() -> None:
+    model, _ = build(fragments=2)
+    model.publish_all()
+    store = model.fragments[1]
+    assert store.norm == pytest.approx(l2_norm(store.params))
+    model.merge(
+        1, [_push(model, 1, 0.5)], [1.0], lr=0.7, mu=0.9, merge="rda", target=model.spare_buffer(1), version=1
+    )
+    assert store.norm == pytest.approx(l2_norm(store.params)) and store.norm > 0.5
+
+
+@pytest.mark.parametrize("published", [True, False])
+def test_a_merge_whose_result_is_not_finite_is_not_committed(published: bool) -> None:
+    """Inputs the screen accepts, a result that overflows: Θ near float32's largest, an outer
+    gradient as large as Θ (within the fragment bound). Θ, b and the version stay as they were,
+    whether Θ is rolled back from the current snapshot or, before any, from a copy; and the
+    fragment merges normally afterwards."""
+    model, module = build(fragments=2)
+    index = 1
+    store = model.fragments[index]
+    params = {n: p.detach().clone() for n, p in module.named_parameters()}
+    for entry in store.manifest:
+        params[entry.name].fill_(3e38)
+    momentum = {n: torch.full_like(p, 1e-3) for n, p in params.items()}
+    model.load(params, momentum)
+    if published:
+        model.publish_all()
+    before = _state(model, index)
+    push = _push(model, index, -3e38)
+    assert model.screen(index, push, history=[], max_norm_ratio=10.0).accepted
+    target = model.spare_buffer(index)
+    with pytest.raises(MergeRejected, match=r"fragment 1: .*non-finite.* version 0") as raised:
+        model.merge(index, [push], [1.0], lr=0.7, mu=0.9, merge="rda", target=target, version=1)
+    assert raised.value.reason == NON_FINITE_RESULT
+    assert _state(model, index) == before and _finite(model, index)
+    if published:
+        assert model.acquire(index).version == 0
+
+    # The rolled-back b is the old one: the next merge equals SGD-Nesterov from the old state.
+    small = _push(model, index, -1e37)
+    expected_params = [p.clone() for p in store.params]
+    expected_momentum = [b.clone() for b in store.momentum_views]
+    nesterov_step_(expected_params, model.deltas(index, bytearray(small)), expected_momentum, lr=0.7, mu=0.9)
+    snapshot = model.merge(index, [small], [1.0], lr=0.7, mu=0.9, merge="rda", target=target, version=1)
+    assert snapshot.version == 1 and model.versions[index] == 1 and _finite(model, index)
+    for t in range(len(expected_params)):
+        torch.testing.assert_close(store.params[t], expected_params[t], rtol=1e-6, atol=0.0)
+        torch.testing.assert_close(store.momentum_views[t], expected_momentum[t], rtol=1e-6, atol=0.0)
+
+
+def test_a_merge_of_a_momentum_that_overflows_is_not_committed() -> None:
+    """Θ far from overflow, b near float32's largest: b ← μ·b + Δ overflows (0.9 · 3e38 + 1e38), Θ with it."""
+    model, module = build(fragments=2)
+    index = 0
+    store = model.fragments[index]
+    momentum = {n: torch.zeros_like(p) for n, p in module.named_parameters()}
+    for entry in store.manifest:
+        momentum[entry.name].fill_(3e38)
+    model.load({n: p.detach() for n, p in module.named_parameters()}, momentum)
+    model.publish_all()
+    before = _state(model, index)
+    with pytest.raises(MergeRejected):
+        model.merge(
+            index,
+            [_push(model, index, 1e38)],
+            [1.0],
+            lr=0.7,
+            mu=0.9,
+            merge="mean",
+            target=model.spare_buffer(index),
+            version=1,
+        )
+    assert _state(model, index) == before
+
+
+def test_load_after_publishing_is_refused() -> None:
+    """A merge rolls Θ back to the current snapshot: loading another model under it would break that."""
+    model, module = build()
+    model.publish_all()
+    with pytest.raises(RuntimeError, match="publish_all"):
+        model.load(dict(module.named_parameters()))
+
+
+def test_the_service_counts_a_rejected_merge_and_publishes_nothing() -> None:
+    """The round whose merge is not committed is dropped (abandoned), its pushes counted under
+    non-finite-result, its fragment left at its version with its snapshot as it was."""
+    module = torch.nn.Linear(4, 2)
+    specs = model_entries(module)
+    model = GlobalModel(
+        plan_fragments([(s.name, s.shape) for s in specs], 1), specs, chunk_bytes=CHUNK, embedding_pattern="-"
+    )
+    model.load({n: torch.full_like(p, 3e38) for n, p in module.named_parameters()})
+    rounds = Rounds(RoundConfig(fragments=1, sync_every=1))
+    service = SyncerService(
+        SyncerConfig(),
+        model,
+        rounds,
+        state_dir=None,
+        incarnation="test",
+        secret=None,
+        meta={},
+        clock=lambda: 0.0,
+    )  # type: ignore[arg-type]
+    model.publish_all()
+    before = _state(model, 0)
+    try:
+        rounds.join("a", 0.0)
+        (request,) = [a for a in rounds.step("a", 1, 1.0, 0.0) if isinstance(a, Request)]
+        push = Push("a", request.round_index, 0, request.version, 4, 400)
+        assert rounds.admit(push, 0.0) is None
+        buffer = _push(model, 0, -3e38)
+        verdict = model.screen(0, buffer, [], max_norm_ratio=10.0)
+        assert verdict.accepted
+        (merge,) = [a for a in rounds.push_complete(push, verdict, 0.0) if isinstance(a, Merge)]
+        service._push_buffers[("a", request.round_index)] = (push, memoryview(buffer))
+        with capture_logs() as logs:
+            asyncio.run(service._merge(merge))
+    finally:
+        service._executor.shutdown()
+        service._screener.shutdown()
+    assert [entry["reason"] for entry in logs if entry["event"] == "merge rejected"] == [NON_FINITE_RESULT]
+    assert rounds.rejected[NON_FINITE_RESULT] == 1 and rounds.rounds_abandoned == 1
+    assert _state(model, 0) == before and model.acquire(0).version == 0
+    assert service.status()["rejected_by_reason"] == {NON_FINITE_RESULT: 1}

@@ -10,7 +10,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dilocod.outer import APPLY_MODES, apply_update_, check_outer_gradient, merge_weights, pseudo_gradient
-from dilocod.outer.guard import ACCEPTED, NON_FINITE, NORM_TOO_LARGE
+from dilocod.outer.guard import (
+    ACCEPTED,
+    DEFAULT_MAX_FRAGMENT_RATIO,
+    FRAGMENT_NORM_TOO_LARGE,
+    FRAGMENT_RMS_FLOOR,
+    NON_FINITE,
+    NORM_TOO_LARGE,
+    fragment_limit,
+    l2_norm,
+)
 
 # --- merge_weights ------------------------------------------------------------------------------
 
@@ -124,27 +133,87 @@ def test_apply_rejects_bad_arguments(mode: str, kwargs: dict[str, object]) -> No
 def test_guard_accepts_plausible_and_rejects_large_or_non_finite() -> None:
     delta = [torch.full((4,), 0.5), torch.full((3, 4), 0.5)]  # norm sqrt(16 * 0.25) = 2
     history = [1.0, 1.5, 0.9, 3.0]  # median 1.25
-    verdict = check_outer_gradient(delta, history)
+    verdict = check_outer_gradient(delta, history, fragment_norm=None)
     assert (verdict.accepted, verdict.reason) == (True, ACCEPTED)
     assert verdict.norm == pytest.approx(2.0)
     assert verdict.limit == pytest.approx(12.5)
 
     big = [t * 10 for t in delta]  # norm 20 > 10 x 1.25
-    verdict = check_outer_gradient(big, history)
+    verdict = check_outer_gradient(big, history, fragment_norm=None)
     assert (verdict.accepted, verdict.reason) == (False, NORM_TOO_LARGE)
-    assert check_outer_gradient(big, history, max_norm_ratio=20.0).accepted
+    assert check_outer_gradient(big, history, fragment_norm=None, max_norm_ratio=20.0).accepted
 
     for bad in (math.nan, math.inf, -math.inf):
         poisoned = [delta[0].clone(), delta[1].clone()]
         poisoned[1][2, 3] = bad
-        verdict = check_outer_gradient(poisoned, history)
+        verdict = check_outer_gradient(poisoned, history, fragment_norm=None)
         assert (verdict.accepted, verdict.reason) == (False, NON_FINITE)
 
 
-def test_guard_without_enough_history_only_checks_finiteness() -> None:
+def test_guard_without_enough_history_or_fragment_norm_only_checks_finiteness() -> None:
     huge = [torch.full((10,), 1e30)]  # squares overflow float32; the norm is still finite
-    verdict = check_outer_gradient(huge, [1.0, 1.0])
+    verdict = check_outer_gradient(huge, [1.0, 1.0], fragment_norm=None)
     assert verdict.accepted and verdict.limit is None
     assert verdict.norm == pytest.approx(math.sqrt(10) * 1e30)
-    assert not check_outer_gradient(huge, [1.0, 1.0, 1.0]).accepted
-    assert check_outer_gradient(huge, [0.0, 0.0, 0.0]).accepted  # a zero median gives no scale
+    assert not check_outer_gradient(huge, [1.0, 1.0, 1.0], fragment_norm=None).accepted
+    assert check_outer_gradient(
+        huge, [0.0, 0.0, 0.0], fragment_norm=None
+    ).accepted  # a zero median gives no scale
+
+
+def test_guard_bounds_the_very_first_push_by_its_fragment() -> None:
+    """The attack measured on a fresh syncer: one push of finite values near float32's largest,
+    before any norm is in the history. Its norm is finite (in float64) and far above the fragment's."""
+    huge = [torch.full((128, 128), 3e38)]
+    fragment_norm = 128 * 0.02  # 16,384 values of RMS 0.02
+    verdict = check_outer_gradient(huge, [], fragment_norm=fragment_norm)
+    assert (verdict.accepted, verdict.reason) == (False, FRAGMENT_NORM_TOO_LARGE)
+    assert verdict.norm == pytest.approx(128 * 3e38)
+    # The floor (RMS 1 per value) is the scale here: the fragment's own norm is below it.
+    assert verdict.limit == pytest.approx(DEFAULT_MAX_FRAGMENT_RATIO * FRAGMENT_RMS_FLOOR * 128)
+
+
+def test_guard_fragment_limit_is_the_fragment_norm_or_the_floor() -> None:
+    delta = [torch.full((4,), 1.0), torch.full((3, 4), 1.0)]  # 16 values, norm 4
+    # A large fragment: its own norm is the scale.
+    assert check_outer_gradient(delta, [], fragment_norm=0.4, max_fragment_ratio=10.0).accepted
+    verdict = check_outer_gradient(delta, [], fragment_norm=100.0, max_fragment_ratio=0.03)
+    assert (verdict.reason, verdict.limit) == (FRAGMENT_NORM_TOO_LARGE, pytest.approx(3.0))
+    # A fragment of zeros (or with a norm that gives no scale) still accepts updates up to the floor.
+    for no_scale in (0.0, math.inf, math.nan):
+        assert fragment_limit(no_scale, 16, 10.0) == pytest.approx(10.0 * FRAGMENT_RMS_FLOOR * 4)
+        assert check_outer_gradient(delta, [], fragment_norm=no_scale, max_fragment_ratio=1.0).accepted
+        verdict = check_outer_gradient(delta, [], fragment_norm=no_scale, max_fragment_ratio=0.5)
+        assert (verdict.accepted, verdict.reason) == (False, FRAGMENT_NORM_TOO_LARGE)
+
+
+def test_guard_applies_both_bounds_and_reports_the_tighter() -> None:
+    delta = [torch.full((16,), 0.5)]  # norm 2
+    history = [1.0, 1.0, 1.0]  # median limit 10
+    verdict = check_outer_gradient(delta, history, fragment_norm=1.0)  # fragment limit 10 x max(1, 4)
+    assert verdict.accepted and verdict.limit == pytest.approx(10.0)
+    verdict = check_outer_gradient(delta, [0.1, 0.1, 0.1], fragment_norm=1.0)
+    assert (verdict.reason, verdict.limit) == (NORM_TOO_LARGE, pytest.approx(1.0))
+    assert check_outer_gradient(delta, history, fragment_norm=None).limit == pytest.approx(10.0)
+    assert check_outer_gradient(delta, [], fragment_norm=None).limit is None
+
+
+@pytest.mark.parametrize("ratio", [0.0, -1.0, math.inf, math.nan])
+def test_guard_refuses_a_meaningless_fragment_ratio(ratio: float) -> None:
+    with pytest.raises(ValueError, match="max_fragment_ratio"):
+        check_outer_gradient([torch.ones(2)], [], fragment_norm=1.0, max_fragment_ratio=ratio)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(width=32, allow_nan=True, allow_infinity=True), min_size=1, max_size=40),
+    st.integers(1, 3),
+)
+def test_l2_norm_is_finite_exactly_when_every_value_is(values: list[float], pieces: int) -> None:
+    """What the syncer's commit relies on: one pass says whether a merged fragment is finite."""
+    flat = torch.tensor(values, dtype=torch.float32)
+    tensors = list(flat.tensor_split(pieces))
+    assert math.isfinite(l2_norm(tensors)) == bool(torch.isfinite(flat).all())
+    reference = math.sqrt(math.fsum(v * v for v in values)) if all(map(math.isfinite, values)) else None
+    if reference is not None:
+        assert l2_norm(tensors) == pytest.approx(reference, rel=1e-6)

@@ -94,15 +94,16 @@ def _check_model(state_dir: Path, out: Path, initial: dict[str, torch.Tensor], h
 
 
 def test_huge_finite_pushes_never_reach_the_global_model(tmp_path: Path, entry_dir: Path) -> None:
-    """A key holder pushes 3e38 in every value of every fragment of a fresh syncer, before any
-    history of accepted norms exists: each push is refused, none is merged, the model stays finite."""
+    """A key holder pushes 3e38 in every value of every push, from the first push of every
+    fragment of a fresh syncer (before any history of accepted norms exists): each is refused, none
+    is merged, the honest learner's rounds go on and the model stays finite."""
     entries, initial = entry_model(entry_dir)
     syncer = _start(tmp_path, entry_dir)
 
     async def main() -> int:
         async with asyncio.timeout(DEADLINE_S):
             rogue = ScriptedLearner(
-                "rogue", syncer.port, entries, step_s=0.01, poison_pushes=FRAGMENTS, poison_value=HUGE
+                "rogue", syncer.port, entries, step_s=0.01, poison_pushes=10**9, poison_value=HUGE
             )
             await rogue.join()
             good = ScriptedLearner("good", syncer.port, entries, step_s=0.01)

@@ -28,7 +28,7 @@ import structlog
 from dilocod.config import SyncerConfig
 from dilocod.ops.priority import lower_this_thread
 from dilocod.outer.guard import Verdict
-from dilocod.precision import PRECISIONS, decode, precision_of
+from dilocod.precision import PRECISIONS, decode, precision_of, push_layout
 from dilocod.syncer.checkpoint import SyncerState, save_checkpoint
 from dilocod.syncer.model import GlobalModel, MergeRejected, Snapshot, first_mismatch
 from dilocod.syncer.rounds import Action, Merge, Push, Refusal, Release, Request, Rounds
@@ -64,6 +64,14 @@ LAG_SAMPLES = 1200
 #: Learners the status lists at most (connected ones first, then those that left last), so that it
 #: stays far inside its frame limit (about 400 bytes a learner) however many ids are live.
 STATUS_MAX_LEARNERS = 2048
+
+
+def _refuse_before_join(header: StreamHeader) -> memoryview:
+    """Every session's allocator until its learner joins: nothing is allocated for a peer that
+    has not (status clients never do), and no early chunks are kept for it either."""
+    raise RemoteProtocolError(ErrorCode.NOT_JOINED, "a push before the learner has joined")
+
+
 _REFUSAL_CODES = {
     Refusal.NOT_REQUESTED: ErrorCode.NOT_REQUESTED,
     Refusal.STALE_VERSION: ErrorCode.STALE_VERSION,
@@ -172,6 +180,8 @@ class SyncerService:
                     secret=self.secret,
                     ssl=self.tls,
                     options=options,
+                    allocate=_refuse_before_join,
+                    max_early_bytes=0,
                     incarnation=self.incarnation,
                 ) as server,
                 asyncio.TaskGroup() as tasks,
@@ -403,7 +413,7 @@ class SyncerService:
             self._on_push(peer, item)
         elif isinstance(item, StatusRequest):
             if peer.session.is_open:  # a request read before its connection closed gets no answer
-                peer.session.control.send(StatusResponse(self.status()))
+                peer.session.control.reply(StatusResponse(self.status()))
         elif isinstance(item, Join):
             peer.session.control.abort(ErrorCode.NOT_JOINED, "a second JOIN on one session")
 
@@ -421,7 +431,8 @@ class SyncerService:
         if header.manifest == store.manifest and header.raw_bytes == store.raw_bytes:
             precision = "fp32"
         else:
-            found = precision_of(header.manifest, self._shapes(header.fragment))
+            shapes = self._shapes(header.fragment)
+            found = precision_of(header.manifest, shapes)
             if found is None:
                 raise RemoteProtocolError(
                     ErrorCode.BAD_MANIFEST,
@@ -429,6 +440,15 @@ class SyncerService:
                     f"({', '.join(PRECISIONS)})",
                 )
             precision = found
+            # A manifest only has to fit inside raw_bytes: the size is checked on its own, before
+            # anything is allocated, against what the plan says this fragment has at this precision.
+            expected = push_layout(shapes, precision)[1]
+            if header.raw_bytes != expected:
+                raise RemoteProtocolError(
+                    ErrorCode.LIMIT_EXCEEDED if header.raw_bytes > expected else ErrorCode.LENGTH_MISMATCH,
+                    f"push of fragment {header.fragment} declares {header.raw_bytes} raw bytes; the "
+                    f"plan's layout at {precision} has {expected}",
+                )
         push = Push(
             peer.learner, header.round, header.fragment, header.base_version, header.c_steps, header.c_tokens
         )

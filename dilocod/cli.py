@@ -518,6 +518,10 @@ def status(
 @click.option("--tls-ca", help="Mutual TLS: the CA (PEM) that signs the learners' certificates.")
 @click.option("--metrics", help="HOST:PORT for Prometheus text metrics (off unless given).")
 @click.option("--checkpoint-every-s", help="Seconds between checkpoints.  [default: 300]")
+@click.option(
+    "--roster-retention-s",
+    help="Seconds a learner that left stays in the status and the checkpoint.  [default: 259200, 3 days]",
+)
 @click.option("--staleness", help="Versions a late push may trail and still be merged.  [default: 1]")
 @click.option("--max-norm-ratio", help="Reject outer gradients above this x the median norm.  [default: 10]")
 @click.option(
@@ -761,7 +765,10 @@ def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: An
     "--learners", default=4, show_default=True, type=click.IntRange(1, 32), help="Learner processes."
 )
 @click.option(
-    "--minutes", default=3.0, show_default=True, type=click.FloatRange(0.1, 600),
+    "--minutes",
+    default=3.0,
+    show_default=True,
+    type=click.FloatRange(0.1, 600),
     help="Minutes of training, counted from the first merged round.",
 )
 @click.option("--chaos", is_flag=True, help="Kill -9 a random learner about every 30 s and restart it.")

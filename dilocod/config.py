@@ -266,6 +266,8 @@ class SyncerConfig:
     tls_ca: Path | None = None
     metrics: Address | None = None
     checkpoint_every_s: float = 300.0
+    #: Learners gone longer than this are dropped from the roster, the status and the checkpoint.
+    roster_retention_s: float = 3 * 86_400.0
     #: A late push may still be merged this many versions after its base.
     staleness: int = 1
     #: Outer gradients with a norm above this multiple of the running median are rejected.
@@ -300,6 +302,7 @@ SYNCER_FIELDS: dict[str, Parse] = {
     "tls_ca": _path,
     "metrics": _address(9464),
     "checkpoint_every_s": _number(0.0, low_open=True),
+    "roster_retention_s": _number(0.0, low_open=True),
     "staleness": _integer(0, 1_000),
     "max_norm_ratio": _number(1.0),
     "max_fragment_ratio": _number(0.0, low_open=True),

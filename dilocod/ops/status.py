@@ -5,6 +5,7 @@ fetches and formats it."""
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import ssl as ssl_module
 from typing import Any
@@ -103,22 +104,42 @@ def format_status(status: dict[str, Any]) -> str:
         f"{'goodput':>8} {'pushes wasted':>14}",
     ]
     for learner in status["learners"]:
-        connected = "yes" if learner["connected"] else "no"
+        connected = "yes" if learner.get("connected") else "no"
+        rate, steps = _figure(learner.get("steps_per_s"), ".2f"), _figure(learner.get("steps", 0), "d")
+        merged, share = (
+            _figure(learner.get("contributions"), "d"),
+            _figure(learner.get("weight_share"), ".1%"),
+        )
+        goodput = _figure(learner.get("goodput", 0.0), ".1%")
         lines.append(
-            f"{learner['id']:<20} {connected:>9} {learner['steps_per_s']:>18.2f} "
-            f"{learner.get('steps', 0):>8} {learner['contributions']:>7} {learner['weight_share']:>13.1%} "
-            f"{learner.get('goodput', 0.0):>8.1%} {_wasted(learner):>14}"
+            f"{learner.get('id', '?')!s:<20} {connected:>9} {rate:>18} {steps:>8} {merged:>7} {share:>13} "
+            f"{goodput:>8} {_wasted(learner):>14}"
         )
     if not status["learners"]:
         lines.append("(no learner has joined yet)")
+    unlisted = status.get("learners_total", 0) - len(status["learners"])
+    if isinstance(unlisted, int) and unlisted > 0:
+        lines.append(f"({unlisted} more learners not listed: those that left longest ago)")
     return "\n".join(lines)
+
+
+def _figure(value: object, spec: str) -> str:
+    """One learner's figure as `spec` formats it, or "?" for what is not a finite number of the
+    expected kind: a row never stops the table."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return "?"
+    if spec == "d":
+        return f"{value:d}" if isinstance(value, int) else "?"
+    return f"{value:{spec}}" if math.isfinite(value) else "?"
 
 
 def _wasted(learner: dict[str, Any]) -> str:
     """Pushes refused or released unmerged, as a share of the pushes sent ("-" before any, or
     from a syncer that does not count them)."""
-    pushes = learner.get("pushes", 0)
-    return f"{learner.get('pushes_wasted', 0) / pushes:.1%}" if pushes else "-"
+    pushes, wasted = learner.get("pushes", 0), learner.get("pushes_wasted", 0)
+    if not (isinstance(pushes, int) and isinstance(wasted, int)) or pushes <= 0:
+        return "-"
+    return f"{wasted / pushes:.1%}"
 
 
 def describe_quorum_sizes(sizes: dict[str, int]) -> str:

@@ -9,6 +9,7 @@ a SetupError naming what to fix.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import secrets
 import signal
@@ -33,6 +34,7 @@ from dilocod.syncer.checkpoint import CheckpointError, load_latest_checkpoint
 from dilocod.syncer.model import GlobalModel, ModelMismatch
 from dilocod.syncer.rounds import RoundConfig, Rounds
 from dilocod.syncer.service import SyncerService
+from dilocod.wire.limits import DEFAULT_LIMITS
 
 log = structlog.get_logger("dilocod.syncer")
 LOCK_FILE = "syncer.lock"
@@ -127,25 +129,58 @@ def prepare(config: SyncerConfig, secret: bytes | None, *, tls: ssl.SSLContext |
 
 
 def _restore_roster(rounds: Rounds, roster: object, down_s: float, now: float) -> None:
-    """Each known learner's goodput terms and last reported step from the checkpoint's roster.
-    The time since the checkpoint counts as wall time without useful steps: the learners' reports
-    since then were lost with this syncer, and so is what they trained (they heal to the
-    checkpoint's model)."""
+    """Each known learner's goodput terms, last reported step and time since it left, from the
+    checkpoint's roster. The time since the checkpoint counts as wall time without useful steps:
+    the learners' reports since then were lost with this syncer, and so is what they trained (they
+    heal to the checkpoint's model). Entries out of range (an id no learner may have, a figure that
+    is not a finite non-negative number, a step beyond what a learner may report) are skipped with
+    a warning; the roster's retention then applies at the first status or checkpoint."""
     if not isinstance(roster, dict):
         return
+    down_s = max(0.0, down_s) if math.isfinite(down_s) else 0.0
+    skipped = 0
     for learner, entry in roster.items():
-        if not isinstance(entry, dict):
+        restored = _roster_entry(learner, entry)
+        if restored is None:
+            skipped += 1
             continue
-        tracked, useful = entry.get("tracked_s"), entry.get("useful_s")
-        step = entry.get("local_step", 0)  # absent from checkpoints of earlier versions
-        if isinstance(tracked, int | float) and isinstance(useful, int | float):
-            rounds.restore_learner(
-                str(learner),
-                tracked_s=float(tracked) + max(0.0, down_s),
-                useful_s=float(useful),
-                now=now,
-                local_step=step if isinstance(step, int) and not isinstance(step, bool) else 0,
-            )
+        tracked, useful, idle, step = restored
+        rounds.restore_learner(
+            learner,
+            tracked_s=tracked + down_s,
+            useful_s=useful,
+            now=now,
+            local_step=step,
+            idle_s=idle + down_s,
+        )
+    if skipped:
+        log.warning("checkpoint roster entries skipped", count=skipped, reason="out of range")
+
+
+def _roster_entry(learner: object, entry: object) -> tuple[float, float, float, int] | None:
+    """(tracked_s, useful_s, idle_s, local_step) of one checkpoint roster entry, or None when any
+    is out of range. idle_s and local_step are absent from checkpoints of earlier versions."""
+    if not (
+        isinstance(learner, str)
+        and 0 < len(learner.encode()) <= DEFAULT_LIMITS.max_peer_id_bytes
+        and isinstance(entry, dict)
+    ):
+        return None
+    figures = [entry.get("tracked_s"), entry.get("useful_s"), entry.get("idle_s", 0.0)]
+    if not all(
+        isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+        for x in figures
+    ):
+        return None
+    step = entry.get("local_step", 0)
+    if not (
+        isinstance(step, int)
+        and not isinstance(step, bool)
+        and 0 <= step <= DEFAULT_LIMITS.max_reported_steps
+    ):
+        return None
+    tracked, useful, idle = (float(x) for x in figures)
+    return tracked, useful, idle, step
 
 
 STATUS_EVERY_S = 10.0

@@ -28,7 +28,7 @@ import structlog
 from dilocod.config import SyncerConfig
 from dilocod.ops.priority import lower_this_thread
 from dilocod.outer.guard import Verdict
-from dilocod.precision import PRECISIONS, decode, precision_of
+from dilocod.precision import PRECISIONS, decode, precision_of, push_layout
 from dilocod.syncer.checkpoint import SyncerState, save_checkpoint
 from dilocod.syncer.model import GlobalModel, MergeRejected, Snapshot, first_mismatch
 from dilocod.syncer.rounds import Action, Merge, Push, Refusal, Release, Request, Rounds
@@ -61,6 +61,17 @@ UPDATE_ATTEMPTS = 3
 #: The event loop's lag is sampled this often; the last LAG_SAMPLES make the status figures.
 LAG_INTERVAL_S = 0.05
 LAG_SAMPLES = 1200
+#: Learners the status lists at most (connected ones first, then those that left last), so that it
+#: stays far inside its frame limit (about 400 bytes a learner) however many ids are live.
+STATUS_MAX_LEARNERS = 2048
+
+
+def _refuse_before_join(header: StreamHeader) -> memoryview:
+    """Every session's allocator until its learner joins: nothing is allocated for a peer that
+    has not (status clients never do), and no early chunks are kept for it either."""
+    raise RemoteProtocolError(ErrorCode.NOT_JOINED, "a push before the learner has joined")
+
+
 _REFUSAL_CODES = {
     Refusal.NOT_REQUESTED: ErrorCode.NOT_REQUESTED,
     Refusal.STALE_VERSION: ErrorCode.STALE_VERSION,
@@ -169,6 +180,8 @@ class SyncerService:
                     secret=self.secret,
                     ssl=self.tls,
                     options=options,
+                    allocate=_refuse_before_join,
+                    max_early_bytes=0,
                     incarnation=self.incarnation,
                 ) as server,
                 asyncio.TaskGroup() as tasks,
@@ -205,6 +218,7 @@ class SyncerService:
     async def checkpoint(self) -> Path:
         """Write a checkpoint now (in the merge worker, between merges)."""
         now = self.clock()
+        self._forget_gone(now)
         meta = {
             **self.meta,
             "next_round": self.rounds.next_round,
@@ -216,9 +230,11 @@ class SyncerService:
                     "steps": r.steps,
                     "local_step": r.local_step,
                     "tokens": r.tokens,
-                    # The goodput's terms, carried over a restart (the daemon adds the downtime).
-                    "useful_s": round(r.useful_s, 6),
-                    "tracked_s": round(r.tracked_s(now), 6),
+                    # The goodput's terms, carried over a restart (the daemon adds the downtime),
+                    # and the time since it left (for the roster's retention).
+                    "useful_s": _finite(r.useful_s, 6),
+                    "tracked_s": _finite(r.tracked_s(now), 6),
+                    "idle_s": _finite(r.idle_s(now), 6),
                 }
                 for r in self.rounds.learners.values()
             },
@@ -233,6 +249,11 @@ class SyncerService:
         self.last_checkpoint = path
         log.info("checkpoint", path=str(path), versions=sum(self.model.versions))
         return path
+
+    def _forget_gone(self, now: float) -> None:
+        """Learners gone past the retention leave the roster, and what else is kept per id."""
+        for learner in self.rounds.forget_gone(now, self.config.roster_retention_s):
+            self.step_rates.forget(learner)
 
     async def _checkpoint_loop(self) -> None:
         while True:
@@ -392,7 +413,7 @@ class SyncerService:
             self._on_push(peer, item)
         elif isinstance(item, StatusRequest):
             if peer.session.is_open:  # a request read before its connection closed gets no answer
-                peer.session.control.send(StatusResponse(self.status()))
+                peer.session.control.reply(StatusResponse(self.status()))
         elif isinstance(item, Join):
             peer.session.control.abort(ErrorCode.NOT_JOINED, "a second JOIN on one session")
 
@@ -410,7 +431,8 @@ class SyncerService:
         if header.manifest == store.manifest and header.raw_bytes == store.raw_bytes:
             precision = "fp32"
         else:
-            found = precision_of(header.manifest, self._shapes(header.fragment))
+            shapes = self._shapes(header.fragment)
+            found = precision_of(header.manifest, shapes)
             if found is None:
                 raise RemoteProtocolError(
                     ErrorCode.BAD_MANIFEST,
@@ -418,6 +440,15 @@ class SyncerService:
                     f"({', '.join(PRECISIONS)})",
                 )
             precision = found
+            # A manifest only has to fit inside raw_bytes: the size is checked on its own, before
+            # anything is allocated, against what the plan says this fragment has at this precision.
+            expected = push_layout(shapes, precision)[1]
+            if header.raw_bytes != expected:
+                raise RemoteProtocolError(
+                    ErrorCode.LIMIT_EXCEEDED if header.raw_bytes > expected else ErrorCode.LENGTH_MISMATCH,
+                    f"push of fragment {header.fragment} declares {header.raw_bytes} raw bytes; the "
+                    f"plan's layout at {precision} has {expected}",
+                )
         push = Push(
             peer.learner, header.round, header.fragment, header.base_version, header.c_steps, header.c_tokens
         )
@@ -691,8 +722,12 @@ class SyncerService:
 
     def status(self) -> dict[str, Any]:
         rounds = self.rounds
-        total_weight = sum(r.weight_total for r in rounds.learners.values()) or 1.0
         now = self.clock()
+        self._forget_gone(now)
+        total_weight = sum(r.weight_total for r in rounds.learners.values()) or 1.0
+        listed = sorted(
+            rounds.learners.values(), key=lambda r: (r.learner not in self.peers, not r.live, r.idle_s(now))
+        )[:STATUS_MAX_LEARNERS]
         return {
             "role": "syncer",
             "incarnation": self.incarnation,
@@ -713,21 +748,23 @@ class SyncerService:
                     # Push headers sent, and those whose bytes were not merged (upload wasted).
                     "pushes": r.pushes,
                     "pushes_wasted": r.pushes_wasted,
-                    "weight_share": round(r.weight_total / total_weight, 6),
+                    "weight_share": _finite(r.weight_total / total_weight, 6),
                     # Throughput: step reports over the last steps_per_s_window_s of wall time.
-                    "steps_per_s": round(self.step_rates.rate(r.learner, now), 4),
+                    "steps_per_s": _finite(self.step_rates.rate(r.learner, now), 4),
                     # The mean reported step time (the step alone, not what happens between steps).
-                    "step_time_s": round(r.step_time.value or 0.0, 6),
+                    "step_time_s": _finite(r.step_time.value or 0.0, 6),
                     "steps": r.steps,
                     "step": r.local_step,
                     "tokens": r.tokens,
                     # Reported step time over wall time since the id first joined.
-                    "goodput": round(r.goodput(now), 4),
-                    "useful_s": round(r.useful_s, 3),
-                    "tracked_s": round(r.tracked_s(now), 3),
+                    "goodput": _finite(r.goodput(now), 4),
+                    "useful_s": _finite(r.useful_s, 3),
+                    "tracked_s": _finite(r.tracked_s(now), 3),
                 }
-                for r in sorted(rounds.learners.values(), key=lambda r: r.learner)
+                for r in sorted(listed, key=lambda r: r.learner)
             ],
+            # Learners in the roster; the status lists STATUS_MAX_LEARNERS of them at most.
+            "learners_total": len(rounds.learners),
             "rounds_merged": rounds.rounds_merged,
             "rounds_abandoned": rounds.rounds_abandoned,
             "quorum_sizes": {str(k): v for k, v in sorted(rounds.quorum_sizes.items())},
@@ -742,6 +779,11 @@ class SyncerService:
             "loop_lag_ms": _quantiles(self._lag_ms),
             "last_checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
         }
+
+
+def _finite(value: float, digits: int) -> float:
+    """A roster figure for JSON and msgpack: rounded, and 0.0 in place of an infinity or NaN."""
+    return round(value, digits) if math.isfinite(value) else 0.0
 
 
 def _quantiles(samples: deque[float]) -> dict[str, float]:

@@ -40,6 +40,10 @@ class StepRates:
             reports.before = reports.times.popleft()
         self._prune(reports, now)
 
+    def forget(self, learner: str) -> None:
+        """Drop what is kept of `learner` (the syncer's roster forgot it)."""
+        self._reports.pop(learner, None)
+
     def rate(self, learner: str, now: float) -> float:
         """Steps per second over the last window_s (or since the learner's first report, when
         that is more recent): 0.0 for a learner without reports in the window."""

@@ -23,11 +23,12 @@ from dilocod.transport.options import TransportOptions
 from dilocod.transport.protocol import FrameProtocol
 from dilocod.transport.session import Session
 from dilocod.wire.connection import Connection
-from dilocod.wire.errors import ErrorCode, ProtocolError
+from dilocod.wire.errors import ErrorCode, ProtocolError, RemoteProtocolError
 from dilocod.wire.events import HandshakeCompleted
 from dilocod.wire.limits import DEFAULT_LIMITS, Limits
+from dilocod.wire.messages import Hello
 from dilocod.wire.states import Role, State
-from dilocod.wire.stream import Allocate
+from dilocod.wire.stream import MAX_EARLY_BYTES, Allocate
 
 CAPABILITIES = ("lz4", "zstd", "shuffle")
 Handler = Callable[[Session], Awaitable[None]]
@@ -154,6 +155,12 @@ class Server:
     A handler's exception closes its own session and never disturbs other sessions: a departure
     of its peer (is_departure) is how sessions end; any other exception is a bug in the handler,
     logged with its traceback and counted in `handler_errors`.
+
+    A data connection is admitted at its handshake, before WELCOME: it must name an open session
+    of the same client (else UNKNOWN_SESSION), and that session must hold fewer than
+    limits.max_data_connections data connections (else LIMIT_EXCEEDED). `allocate` and
+    `max_early_bytes` are every new session's inbound policy until its handler sets its own
+    (Session.set_allocator).
     """
 
     def __init__(
@@ -166,6 +173,7 @@ class Server:
         options: TransportOptions | None = None,
         limits: Limits = DEFAULT_LIMITS,
         allocate: Allocate | None = None,
+        max_early_bytes: int = MAX_EARLY_BYTES,
         incarnation: str | None = None,
     ) -> None:
         self.handler = handler
@@ -180,6 +188,10 @@ class Server:
         self._secret = secret
         self._ssl = ssl
         self._allocate = allocate
+        self._max_early_bytes = max_early_bytes
+        # Data connections admitted (WELCOME sent) but not yet attached, per session id: they
+        # count against max_data_connections from the moment they are admitted.
+        self._admitted: dict[bytes, set[FrameProtocol]] = {}
         self._server: asyncio.Server | None = None
         self._tasks: asyncio.TaskGroup | None = None
         self._executor = _executor(self.options)
@@ -222,10 +234,34 @@ class Server:
             capabilities=CAPABILITIES,
         )
         proto = FrameProtocol(conn, self.options)
+        conn.admit = lambda hello: self._admit(proto, hello)
         proto.handshake.add_done_callback(lambda fut: self._handshaken(proto, fut))
         return proto
 
+    def _admit(self, proto: FrameProtocol, hello: Hello) -> None:
+        """A client proved itself: refuse a data connection here, before WELCOME, if its session
+        cannot take it (the client's dial fails with the code instead of opening)."""
+        if hello.kind != "data":
+            return
+        session = self.sessions.get(hello.session)
+        if session is None or session.peer.peer_id != hello.peer_id or not session.is_open:
+            raise RemoteProtocolError(ErrorCode.UNKNOWN_SESSION, "no open session with that id for this peer")
+        admitted = self._admitted.setdefault(hello.session, set())
+        held = len(session.data) + len(admitted)
+        if held >= self.limits.max_data_connections:
+            raise RemoteProtocolError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"the session holds {held} data connections, the most it may "
+                f"(max_data_connections = {self.limits.max_data_connections})",
+            )
+        admitted.add(proto)
+
     def _handshaken(self, proto: FrameProtocol, fut: asyncio.Future[HandshakeCompleted]) -> None:
+        for session_id, admitted in list(self._admitted.items()):
+            if proto in admitted:
+                admitted.discard(proto)
+                if not admitted:
+                    del self._admitted[session_id]
         if fut.cancelled() or fut.exception() is not None:
             self.rejected_connections += 1
             return
@@ -245,6 +281,7 @@ class Server:
             limits=self.limits,
             executor=self._executor,
             allocate=self._allocate,
+            max_early_bytes=self._max_early_bytes,
         )
         self.sessions[peer.session] = session
         assert self._tasks is not None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dilocod.wire.limits import MiB
+from dilocod.wire.limits import KiB, MiB
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,3 +35,7 @@ class TransportOptions:
     max_pending_decodes: int = 16
     #: Control messages queued for the application before the control connection stops reading.
     max_queued_messages: int = 1024
+    #: Answers to a peer's own frames (PONG, STREAM_RESET, FRAGMENT_ACK) that may wait unsent on
+    #: one connection: a peer that goes on asking without reading is cut off beyond this. About
+    #: 2000 PONGs; a peer that reads never comes near it.
+    max_reply_backlog_bytes: int = 64 * KiB

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections import deque
 from collections.abc import Callable
 
 from dilocod.transport.options import TransportOptions
@@ -56,6 +57,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self._started = loop.time()
         self._backlog: list[Event] = []
+        # Answers to the peer's own frames still in the write buffer: (stream offset where each
+        # ends, its size), and their total (reply()).
+        self._replies: deque[tuple[int, int]] = deque()
+        self._reply_bytes = 0
 
     # --------------------------------------------------------------- asyncio side
 
@@ -149,6 +154,25 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.conn.send_chunk(transfer_id, chunk, payload)
         self.flush()
 
+    def reply(self, message: Message, stream_id: int = 0) -> None:
+        """Send an answer the peer's own frame called for (PONG, a STREAM_RESET or FRAGMENT_ACK of
+        its transfer). Unlike our own sends, these are as many as the peer makes us write, so at
+        most options.max_reply_backlog_bytes of them may wait unsent: a peer that goes on asking
+        without reading the answers is cut off with LIMIT_EXCEEDED."""
+        before = self.conn.bytes_sent
+        self.send(message, stream_id)
+        self._replies.append((self.conn.bytes_sent, self.conn.bytes_sent - before))
+        self._reply_bytes += self.conn.bytes_sent - before
+        written = self.conn.bytes_sent - self.write_buffer_size()  # handed to the kernel
+        while self._replies and self._replies[0][0] <= written:
+            self._reply_bytes -= self._replies.popleft()[1]
+        if self._reply_bytes > self.options.max_reply_backlog_bytes:
+            self.abort(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"{self._reply_bytes} bytes of answers to the peer's frames are unread "
+                f"(max_reply_backlog_bytes = {self.options.max_reply_backlog_bytes})",
+            )
+
     def flush(self) -> None:
         data = self.conn.data_to_send()
         if data and self.transport is not None and not self.transport.is_closing():
@@ -187,7 +211,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 self.error = _refusal(event)
             elif isinstance(event, MessageReceived) and isinstance(event.message, Ping):
                 if self.is_open:
-                    self.conn.send(Pong(event.message.seq))
+                    self.reply(Pong(event.message.seq))
                 continue
             if self.on_event is not None:
                 self.on_event(self, event)

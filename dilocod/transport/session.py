@@ -33,12 +33,20 @@ from dilocod.wire.messages import (
     FragmentEnd,
     Message,
     Ping,
+    Pong,
     PushHeader,
     StreamReset,
     UpdateHeader,
 )
 from dilocod.wire.states import Role
-from dilocod.wire.stream import Allocate, FragmentAssembled, InboundStreams, OutboundTransfer, StreamHeader
+from dilocod.wire.stream import (
+    MAX_EARLY_BYTES,
+    Allocate,
+    FragmentAssembled,
+    InboundStreams,
+    OutboundTransfer,
+    StreamHeader,
+)
 
 CONTROL_INDEX = -1
 
@@ -90,6 +98,7 @@ class Session:
         limits: Limits,
         executor: Executor,
         allocate: Allocate | None = None,
+        max_early_bytes: int = MAX_EARLY_BYTES,
         owns_executor: bool = False,
     ) -> None:
         self.control = control
@@ -100,7 +109,7 @@ class Session:
         self._loop = asyncio.get_running_loop()
         self._executor = executor
         self._owns_executor = owns_executor
-        self._inbound = InboundStreams(limits, allocate or allocate_bytearray)
+        self._inbound = InboundStreams(limits, allocate or allocate_bytearray, max_early_bytes)
         self._inbound_opened: dict[int, float] = {}
         #: (transfer, seq) -> a resent copy of a chunk that another connection is still reading in
         #: place; kept until that read completes (then dropped) or its connection dies (then used).
@@ -160,11 +169,13 @@ class Session:
                     times.append(rtt)
         return min(times, default=None)
 
-    def set_allocator(self, allocate: Allocate) -> None:
+    def set_allocator(self, allocate: Allocate, *, max_early_bytes: int = MAX_EARLY_BYTES) -> None:
         """Choose where this session's inbound fragments land, per header. An allocator may refuse
         a transfer by raising RemoteProtocolError: the peer gets STREAM_RESET with its code, and
-        the session goes on."""
+        the session goes on. max_early_bytes bounds the chunks kept ahead of their header (0 for
+        an allocator that refuses everything: such chunks could never be used)."""
         self._inbound.allocate = allocate
+        self._inbound.max_early_bytes = max_early_bytes
 
     def attach_data(self, proto: FrameProtocol) -> None:
         """Add an authenticated data connection of this session."""
@@ -352,7 +363,9 @@ class Session:
                 send.wake.set()
         elif isinstance(message, StreamReset):
             self._on_reset(transfer_id, message)
-        elif not isinstance(message, Ping):
+        elif not isinstance(message, Ping | Pong):
+            # PING is answered and PONG taken as liveness by the connection itself (any frame
+            # is): neither concerns the application, so neither waits in its queue.
             self._queue(message)
 
     def _on_reset(self, transfer_id: int, reset: StreamReset) -> None:
@@ -473,13 +486,13 @@ class Session:
         self._inbound_opened.pop(transfer_id, None)
         self._drop_spares(transfer_id)
         if self.control.is_open:
-            self.control.send(StreamReset(int(exc.code), exc.message), transfer_id)
+            self.control.reply(StreamReset(int(exc.code), exc.message), transfer_id)
 
     def _deliver(self, done: FragmentAssembled) -> None:
         self._inbound_opened.pop(done.transfer_id, None)
         self._drop_spares(done.transfer_id)
         if self.control.is_open:
-            self.control.send(FragmentAck(), done.transfer_id)
+            self.control.reply(FragmentAck(), done.transfer_id)
         self.bytes_payload_received += done.header.raw_bytes
         self._queue(FragmentReceived(done.transfer_id, done.header, done.buffer))
 

@@ -36,7 +36,7 @@ from dilocod.wire.frames import (
     encode_chunk_header,
     encode_header,
 )
-from dilocod.wire.limits import DEFAULT_LIMITS, Limits
+from dilocod.wire.limits import DEFAULT_LIMITS, KiB, Limits
 from dilocod.wire.messages import (
     NONCE_BYTES,
     SESSION_ID_BYTES,
@@ -69,6 +69,13 @@ MAX_REASON_BYTES = 1024
 #: (transfer id, chunk header, payload length) -> where the payload should land, or None for a
 #: fresh buffer. Raises RemoteProtocolError for chunks the receiver does not expect.
 ChunkSink = Callable[[int, ChunkHeader, int], memoryview | None]
+#: Server only: called with a client's HELLO once its proof has verified, before WELCOME is sent.
+#: Raises RemoteProtocolError to refuse the connection: the client gets ERROR instead of WELCOME.
+Admit = Callable[[Hello], None]
+#: A frame body or chunk payload that gets a fresh buffer (not a slice the chunk sink lent) is
+#: first given this many bytes, and the buffer doubles as they fill: a peer that declares a large
+#: frame and sends it slowly holds what it sent, not what it declared.
+FIRST_PIECE_BYTES = 64 * KiB
 
 
 def _clip(text: str) -> str:
@@ -97,6 +104,7 @@ class Connection:
         incarnation: str = "",
         capabilities: tuple[str, ...] = (),
         chunk_sink: ChunkSink | None = None,
+        admit: Admit | None = None,
         random_bytes: Callable[[int], bytes] = secrets.token_bytes,
     ) -> None:
         self.role = role
@@ -112,6 +120,7 @@ class Connection:
         self._capabilities = capabilities
         self._random_bytes = random_bytes
         self.chunk_sink = chunk_sink
+        self.admit = admit
         self._hello: Hello | None = None
         self._server_nonce = b""
         self._outgoing: list[Buffer] = []
@@ -123,6 +132,8 @@ class Connection:
         self._phase = _Phase.HEADER
         self._target: memoryview = memoryview(self._head)
         self._filled = 0
+        # What the frame part being received declared: _target may be a smaller piece of it.
+        self._declared = HEADER_BYTES
         self._frame: FrameHeader | None = None
         self._chunk: ChunkHeader | None = None
         self._in_place = False
@@ -270,9 +281,24 @@ class Connection:
 
     def _expect(self, phase: _Phase, target: memoryview) -> None:
         self._phase, self._target, self._filled = phase, target, 0
+        self._declared = len(target)
+
+    def _expect_fresh(self, phase: _Phase, nbytes: int) -> None:
+        """Receive nbytes into a buffer of our own that grows as they arrive: FIRST_PIECE_BYTES,
+        then doubling each time it fills, so it never holds more than twice what has arrived."""
+        self._expect(phase, memoryview(bytearray(min(nbytes, FIRST_PIECE_BYTES))))
+        self._declared = nbytes
+
+    def _grow(self) -> None:
+        grown = bytearray(min(self._declared, 2 * len(self._target)))
+        grown[: self._filled] = self._target
+        self._target = memoryview(grown)
 
     def _advance(self, events: list[Event]) -> None:
         phase = self._phase
+        if len(self._target) < self._declared:
+            self._grow()  # a fresh buffer is full but the frame part is not: more of it is coming
+            return
         if phase is _Phase.HEADER:
             frame = decode_header(self._head, self.limits, handshaking=self.state is not State.OPEN)
             self._check_receive(frame.frame_type)
@@ -280,7 +306,7 @@ class Connection:
             if frame.frame_type is FrameType.CHUNK:
                 self._expect(_Phase.CHUNK_HEADER, memoryview(self._chunk_head))
             else:
-                self._expect(_Phase.BODY, memoryview(bytearray(frame.body_length)))
+                self._expect_fresh(_Phase.BODY, frame.body_length)
             return
         frame = self._frame
         assert frame is not None
@@ -289,12 +315,13 @@ class Connection:
             chunk = decode_chunk_header(self._chunk_head, payload_length, self.limits)
             target = self.chunk_sink(frame.stream_id, chunk, payload_length) if self.chunk_sink else None
             self._in_place = target is not None
+            self._chunk = chunk
             if target is None:
-                target = memoryview(bytearray(payload_length))
+                self._expect_fresh(_Phase.PAYLOAD, payload_length)
             elif len(target) != payload_length:
                 raise LocalProtocolError(ErrorCode.INTERNAL, "chunk sink lent a buffer of the wrong size")
-            self._chunk = chunk
-            self._expect(_Phase.PAYLOAD, target)
+            else:
+                self._expect(_Phase.PAYLOAD, target)
             return
         if phase is _Phase.PAYLOAD:
             assert self._chunk is not None
@@ -382,6 +409,8 @@ class Connection:
             expected = auth.client_proof(self._secret, hello, self.version, self._server_nonce)
             if not auth.verify(expected, response.mac):
                 raise RemoteProtocolError(ErrorCode.AUTH_FAILED, "authentication failed")
+        if self.admit is not None:
+            self.admit(hello)  # the server's own rules for this client (a data connection's session)
         self.session = hello.session or self._random_bytes(SESSION_ID_BYTES)
         mac = (
             auth.server_proof(self._secret, hello, self.version, self._server_nonce, self.session)

@@ -41,6 +41,17 @@ class Limits:
     max_model_tensors: int = 65_536
     #: Fragments a PLAN may declare (fragment indices are u32 on the wire; this keeps PLAN small).
     max_fragments: int = 65_536
+    # Numbers a learner reports (STEP_REPORT, PUSH_HEADER): a value above its bound makes the
+    # message malformed. Far above any honest learner's, and below 2**53, so that they and the
+    # syncer's totals of them stay exact in float64 and in every JSON reader.
+    #: A learner's step counter (STEP_REPORT.step) and the steps one push holds (c_steps): 2**40.
+    max_reported_steps: int = 2**40
+    #: Tokens one step processed (STEP_REPORT.tokens): 2**40, about 1.1e12.
+    max_step_tokens: int = 2**40
+    #: Tokens one push holds (PUSH_HEADER.c_tokens): 2**50, about 1.1e15.
+    max_push_tokens: int = 2**50
+    #: How long one step took (STEP_REPORT.step_time_s): one day.
+    max_step_time_s: float = 86_400.0
 
     def max_chunks_per_fragment(self) -> int:
         return -(-self.max_fragment_bytes // self.min_chunk_bytes)

@@ -59,10 +59,12 @@ class _Body:
             raise _malformed(f"{self.name}.{key}: {value} outside 0..{maximum}")
         return value
 
-    def number(self, key: str) -> float:
+    def number(self, key: str, maximum: float = math.inf) -> float:
         value = self._get(key, (int, float))
         if isinstance(value, bool) or not math.isfinite(value) or value < 0:
             raise _malformed(f"{self.name}.{key}: must be a finite non-negative number")
+        if value > maximum:
+            raise _malformed(f"{self.name}.{key}: {value:g} outside 0..{maximum:g}")
         return float(value)
 
     def text(self, key: str, max_bytes: int, choices: tuple[str, ...] | None = None) -> str:
@@ -216,7 +218,11 @@ class StepReport:
 
     @classmethod
     def from_body(cls, b: _Body, limits: Limits) -> StepReport:
-        return cls(b.uint("step"), b.uint("tokens"), b.number("step_time_s"))
+        return cls(
+            b.uint("step", limits.max_reported_steps),
+            b.uint("tokens", limits.max_step_tokens),
+            b.number("step_time_s", limits.max_step_time_s),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -405,8 +411,8 @@ class PushHeader(StreamHeader):
             fragment=b.uint("fragment", 2**32 - 1),
             round=b.uint("round"),
             base_version=b.uint("base_version"),
-            c_steps=b.uint("c_steps"),
-            c_tokens=b.uint("c_tokens"),
+            c_steps=b.uint("c_steps", limits.max_reported_steps),
+            c_tokens=b.uint("c_tokens", limits.max_push_tokens),
         )
 
 

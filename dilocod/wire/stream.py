@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from dilocod.wire.codecs import fragment_digest
 from dilocod.wire.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
 from dilocod.wire.frames import ChunkHeader, Codec
-from dilocod.wire.limits import Limits
+from dilocod.wire.limits import Limits, MiB
 from dilocod.wire.messages import FragmentEnd, PushHeader, UpdateHeader
 
 StreamHeader = PushHeader | UpdateHeader
@@ -31,6 +31,9 @@ _PENDING, _ARRIVING, _DONE = 0, 1, 2
 #: What an early chunk costs against the early budget beyond its payload (its bookkeeping), so
 #: that a flood of empty payloads is bounded too.
 EARLY_CHUNK_OVERHEAD_BYTES = 256
+#: What early chunks may hold per session (protocol/SPEC.md §6), where the receiver takes inbound
+#: transfers at all; one that refuses every header (a syncer before JOIN) keeps none.
+MAX_EARLY_BYTES = 64 * MiB
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +64,7 @@ class EarlyChunk:
 class InboundStreams:
     """Receiving side of one session: transfer id -> destination buffer and chunk states."""
 
-    def __init__(self, limits: Limits, allocate: Allocate, max_early_bytes: int = 64 * 1024 * 1024):
+    def __init__(self, limits: Limits, allocate: Allocate, max_early_bytes: int = MAX_EARLY_BYTES):
         self.limits = limits
         #: Where a transfer's bytes go, chosen per header (a session may replace it).
         self.allocate = allocate
@@ -72,7 +75,8 @@ class InboundStreams:
         # header does, or whose connection dies mid-payload, is released with the rest.
         self._early_charged: dict[int, int] = {}
         self._early_bytes = 0
-        self._max_early_bytes = max_early_bytes
+        #: The early-chunk bound; a session may change it with its allocator.
+        self.max_early_bytes = max_early_bytes
         # The highest id a header named: the peer's ids increase, so every id up to it that is not
         # open is finished (completed, reset, or skipped: its header can no longer come).
         self._highest_opened = 0
@@ -117,9 +121,11 @@ class InboundStreams:
         if inbound is None:
             if not self.finished(transfer_id):
                 cost = payload_length + EARLY_CHUNK_OVERHEAD_BYTES
-                if self._early_bytes + cost > self._max_early_bytes:
+                if self._early_bytes + cost > self.max_early_bytes:
                     raise RemoteProtocolError(
-                        ErrorCode.UNKNOWN_TRANSFER, f"chunks for undeclared transfer {transfer_id}"
+                        ErrorCode.UNKNOWN_TRANSFER,
+                        f"chunks for undeclared transfer {transfer_id} beyond the early-chunk bound "
+                        f"of {self.max_early_bytes} bytes",
                     )
                 self._early_bytes += cost
                 self._early_charged[transfer_id] = self._early_charged.get(transfer_id, 0) + cost

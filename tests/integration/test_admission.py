@@ -10,15 +10,22 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from dilocod.transport.endpoints import connect
-from dilocod.transport.errors import TransferFailed
+from dilocod.transport.endpoints import _dial, connect
+from dilocod.transport.errors import HandshakeFailed, TransferFailed
 from dilocod.transport.session import FragmentReceived, Session
 from dilocod.wire.codecs import chunk_checksums
 from dilocod.wire.errors import ErrorCode, RemoteProtocolError
-from dilocod.wire.limits import MiB
+from dilocod.wire.limits import Limits, MiB
 from dilocod.wire.stream import StreamHeader
 
-from .support import CHUNK_BYTES, TRANSFER_TIMEOUT_S, Fragments, in_process_server, wait_until
+from .support import (
+    CHUNK_BYTES,
+    TEST_OPTIONS,
+    TRANSFER_TIMEOUT_S,
+    Fragments,
+    in_process_server,
+    wait_until,
+)
 
 Arun = Callable[..., object]
 
@@ -98,3 +105,41 @@ def test_opened_transfers_that_fail_are_reported(arun: Arun, fragments: Fragment
 
     arun(main())
     assert handler.delivered == []
+
+
+def test_a_data_connection_beyond_the_limit_is_refused_at_its_handshake(arun: Arun) -> None:
+    """The (k+1)-th data connection of a session gets ERROR LIMIT_EXCEEDED in place of WELCOME,
+    so the dial fails then and there; a slot freed by a lost connection can be taken again."""
+    handler = Admitting()
+
+    async def main() -> None:
+        async with in_process_server(handler, limits=Limits(max_data_connections=2)) as (server, port):
+            with pytest.raises(HandshakeFailed) as refused:
+                await connect("127.0.0.1", port, peer_id="greedy", streams=3)
+            assert refused.value.code == ErrorCode.LIMIT_EXCEEDED
+            assert "max_data_connections = 2" in refused.value.message
+            session = await connect("127.0.0.1", port, peer_id="modest", streams=2)
+            try:
+                (held,) = server.sessions.values()
+                await wait_until(lambda: len(held.data) == 2, TRANSFER_TIMEOUT_S)
+                assert session.data[0].transport is not None
+                session.data[0].transport.abort()
+                await wait_until(lambda: len(held.data) == 1, TRANSFER_TIMEOUT_S)
+                proto, _ = await _dial(
+                    "127.0.0.1",
+                    port,
+                    peer_id="modest",
+                    role="learner",
+                    kind="data",
+                    session=session.session_id,
+                    secret=None,
+                    ssl=None,
+                    options=TEST_OPTIONS,
+                    limits=Limits(),
+                )
+                session.attach_data(proto)
+                await wait_until(lambda: len(held.data) == 2, TRANSFER_TIMEOUT_S)
+            finally:
+                await session.close("done")
+
+    arun(main())

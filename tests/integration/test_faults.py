@@ -24,6 +24,7 @@ from dilocod.transport.credentials import client_context, server_context
 from dilocod.transport.endpoints import connect
 from dilocod.transport.errors import HandshakeFailed, SessionClosed
 from dilocod.transport.loop import run
+from dilocod.transport.options import TransportOptions
 from dilocod.transport.protocol import FrameProtocol
 from dilocod.transport.session import Session
 from dilocod.wire import codecs
@@ -40,7 +41,7 @@ from dilocod.wire.frames import (
     FrameType,
     encode_chunk_header,
 )
-from dilocod.wire.limits import MiB
+from dilocod.wire.limits import Limits, MiB
 from dilocod.wire.messages import (
     NONCE_BYTES,
     AuthResponse,
@@ -416,9 +417,26 @@ def test_a_connection_lost_before_the_handshake_is_a_connection_error(
 
 
 def test_data_connection_for_unknown_session(bench_servers: BenchServers, fragments: Fragments) -> None:
+    """Refused at its handshake: ERROR in place of WELCOME, so the dial itself fails."""
     server = bench_servers.get()
-    with CoreClient(server.port, kind="data", session=b"\x01" * 16) as client:
-        assert client.went_away().error_code == ErrorCode.UNKNOWN_SESSION
+
+    async def main() -> None:
+        with pytest.raises(HandshakeFailed) as refused:
+            await endpoints._dial(
+                "127.0.0.1",
+                server.port,
+                peer_id="stray",
+                role="learner",
+                kind="data",
+                session=b"\x01" * 16,
+                secret=None,
+                ssl=None,
+                options=TransportOptions(),
+                limits=Limits(),
+            )
+        assert refused.value.code is ErrorCode.UNKNOWN_SESSION
+
+    run(main())
     _serves(server, fragments)
 
 

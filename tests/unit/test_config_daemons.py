@@ -53,6 +53,7 @@ SAMPLE_VALUES: dict[str, object] = {
     "tls_ca": "ca.pem",
     "metrics": "127.0.0.1:9999",
     "checkpoint_every_s": 60,
+    "roster_retention_s": 3600,
     "staleness": 2,
     "max_norm_ratio": 5.0,
     "max_fragment_ratio": 2.5,

@@ -171,8 +171,8 @@ def push_headers(draw: st.DrawFn) -> PushHeader:
         fragment=draw(uint(U32)),
         round=draw(uint(U64)),
         base_version=draw(uint(U64)),
-        c_steps=draw(uint(U64)),
-        c_tokens=draw(uint(U64)),
+        c_steps=draw(uint(LIMITS.max_reported_steps)),
+        c_tokens=draw(uint(LIMITS.max_push_tokens)),
     )
 
 
@@ -210,7 +210,12 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     Welcome: st.builds(
         Welcome, blob(SESSION_ID_BYTES), text(128), text(64), mac, capabilities, uint(U32), uint(U16)
     ),
-    StepReport: st.builds(StepReport, uint(U64), uint(U64), finite),
+    StepReport: st.builds(
+        StepReport,
+        uint(LIMITS.max_reported_steps),
+        uint(LIMITS.max_step_tokens),
+        st.floats(0, LIMITS.max_step_time_s) | st.just(LIMITS.max_step_time_s),
+    ),
     FragmentRequest: st.builds(FragmentRequest, uint(U32), uint(U64), uint(U64)),
     Join: st.builds(Join, models(), text(MAX_INCARNATION_BYTES)),
     Plan: plans(),
@@ -340,6 +345,37 @@ def test_malformed_body_is_refused(frame_type: FrameType, raw: bytes) -> None:
     with pytest.raises(RemoteProtocolError) as info:
         decode_body(frame_type, raw, LIMITS)
     assert info.value.code is ErrorCode.MALFORMED_BODY
+
+
+#: Every number a learner reports, with its bound: (frame type, message, field, largest accepted).
+REPORTED_NUMBERS = [
+    (FrameType.STEP_REPORT, StepReport(1, 1, 0.5), "step", LIMITS.max_reported_steps),
+    (FrameType.STEP_REPORT, StepReport(1, 1, 0.5), "tokens", LIMITS.max_step_tokens),
+    (FrameType.STEP_REPORT, StepReport(1, 1, 0.5), "step_time_s", LIMITS.max_step_time_s),
+    (FrameType.PUSH_HEADER, PUSH, "c_steps", LIMITS.max_reported_steps),
+    (FrameType.PUSH_HEADER, PUSH, "c_tokens", LIMITS.max_push_tokens),
+]
+
+
+@pytest.mark.parametrize(
+    ("frame_type", "message", "key", "bound"), REPORTED_NUMBERS, ids=[r[2] for r in REPORTED_NUMBERS]
+)
+def test_reported_numbers_are_range_checked(
+    frame_type: FrameType, message: Message, key: str, bound: float
+) -> None:
+    """A learner's step time of 1e308 or a token count of 2**64 - 1 stalled the rounds, broke every
+    checkpoint and `dilocod status`, and won it the whole merge weight: each reported number has a
+    documented range, and a value outside it is a malformed message naming the field and the bound."""
+    assert bound < 2**53  # exact in float64 and in JSON, with room for the syncer's totals
+    accepted = decode_body(frame_type, body(message, **{key: bound}), LIMITS)
+    assert getattr(accepted, key) == bound
+    for beyond in (bound + 1, 2**64 - 1) if isinstance(bound, int) else (bound * 1.0001, 1e308):
+        with pytest.raises(RemoteProtocolError) as info:
+            decode_body(frame_type, body(message, **{key: beyond}), LIMITS)
+        assert info.value.code is ErrorCode.MALFORMED_BODY
+        assert key in str(info.value) and (f"{bound:g}" if isinstance(bound, float) else str(bound)) in str(
+            info.value
+        )
 
 
 def test_text_bounds_count_bytes_not_characters() -> None:

@@ -12,7 +12,17 @@ from hypothesis import strategies as st
 
 from dilocod.outer import merge_weights
 from dilocod.outer.guard import ACCEPTED, NON_FINITE, Verdict
-from dilocod.syncer.rounds import Merge, Push, Refusal, Release, Request, RoundConfig, Rounds
+from dilocod.syncer.rounds import (
+    MAX_GONE_LEARNERS,
+    MAX_TOTAL,
+    Merge,
+    Push,
+    Refusal,
+    Release,
+    Request,
+    RoundConfig,
+    Rounds,
+)
 
 OK = Verdict(True, ACCEPTED, 1.0, None)
 BAD = Verdict(False, NON_FINITE, math.nan, None)
@@ -609,3 +619,136 @@ def test_refused_and_released_pushes_count_as_wasted() -> None:
         "a": (1, 1),
         "b": (1, 1),
     }
+
+
+# --- one learner's reported numbers ---------------------------------------------------------------
+
+ROGUE = "rogue"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    honest=st.lists(st.floats(0.01, 10.0), min_size=1, max_size=4),
+    reported=st.floats(0.0, 86_400.0),
+)
+def test_one_learners_step_time_does_not_stall_the_round(honest: list[float], reported: float) -> None:
+    """A learner reporting a slow step (up to the one-day bound) and never pushing: the others'
+    round merges at most one of their own step times after its quorum. The mean of the asked
+    learners' step times made one report of 3600 s hold every round half an hour (and 1e308, with
+    the running mean of every report, for good)."""
+    names = [f"h{i}" for i in range(len(honest))]
+    rounds = started(RoundConfig(fragments=4, sync_every=4, quorum=1), (*names, ROGUE))
+    requests = []
+    for name, step_s in zip(names, honest, strict=True):
+        requests += of(Request, rounds.step(name, 10, step_s, now=0.0))
+    rounds.step(ROGUE, 10, reported, now=0.0)
+    (request,) = requests
+    assert ROGUE in request.learners
+    merges = []
+    for name in names:
+        push = push_for(request, name)
+        assert rounds.admit(push, now=1.0) is None
+        merges += of(Merge, rounds.push_complete(push, OK, now=1.0))  # quorum at 1.0
+    if not merges:
+        deadline = rounds.next_deadline()
+        assert deadline is not None and deadline <= 1.0 + max(honest) + 1e-9
+        merges = of(Merge, rounds.tick(now=deadline))
+    (merge,) = merges
+    assert merge.pushes and {p.learner for p in merge.pushes} <= set(names)
+
+
+@settings(max_examples=100, deadline=None)
+@given(honest_s=st.floats(0.3, 10.0), reported=st.floats(1e-9, 1e-3))
+def test_one_learner_reporting_tiny_steps_does_not_cut_the_wait_short(
+    honest_s: float, reported: float
+) -> None:
+    """The other direction: a learner reporting near-zero step times must not make rounds stop
+    waiting before an honest learner has had a step to answer (they would all be abandoned)."""
+    rounds = started(RoundConfig(fragments=4, sync_every=4, quorum=1), ("h", ROGUE))
+    (request,) = of(Request, rounds.step("h", 10, honest_s, now=0.0))
+    rounds.step(ROGUE, 10, reported, now=0.0)
+    push = push_for(request, "h")
+    assert rounds.tick(now=honest_s) == [] and rounds.rounds_abandoned == 0
+    assert rounds.admit(push, now=honest_s) is None
+    assert of(Merge, rounds.push_complete(push, OK, now=honest_s))
+
+
+def test_a_fragment_is_not_held_past_its_next_turn_by_a_learners_slow_steps() -> None:
+    """A round with nothing to merge (the honest push failed) waits only for a learner reporting
+    day-long steps: it stops waiting once the clock (the honest learner's steps) has gone a whole
+    cycle past its opening, so the fragment comes round again, not H days later."""
+    rounds = started(RoundConfig(fragments=2, sync_every=2, quorum=1), ("h", ROGUE))
+    (request,) = of(Request, rounds.step("h", 10, 0.1, now=0.0))
+    rounds.step(ROGUE, 10, 86_400.0, now=0.0)
+    failed = push_for(request, "h")
+    rounds.admit(failed, now=0.05)
+    rounds.push_failed(failed, now=0.06)
+    now, again = 0.1, []
+    while not again:
+        assert now < 2.0, "the fragment never came round again"
+        asked = of(Request, rounds.step("h", 10, 0.1, now=now))
+        again = [r for r in asked if r.fragment == request.fragment]
+        now += 0.1
+    assert rounds.rounds_abandoned >= 1
+
+
+def test_a_learners_token_count_cannot_take_the_merge() -> None:
+    """2**62 tokens won a learner the whole weight of every round it joined. Its weight is clipped
+    at 16 times the round's lower median (outer.weights.bounded_merge_weights): with one honest
+    learner, at most 16/17 of the merge."""
+    rounds = started(RoundConfig(fragments=1, sync_every=1, quorum=2), ("h", ROGUE))
+    request = first_round(rounds)
+    honest, rogue = (
+        push_for(request, "h", steps=24, tokens=24 * 4096),
+        push_for(request, ROGUE, steps=1, tokens=2**50),
+    )
+    for push in (honest, rogue):
+        rounds.admit(push, now=0.1)
+    (merge,) = of(Merge, rounds.push_complete(honest, OK, now=0.2) + rounds.push_complete(rogue, OK, now=0.3))
+    weights = dict(zip((p.learner for p in merge.pushes), merge.weights, strict=True))
+    assert weights[ROGUE] == pytest.approx(16 / 17) and weights["h"] == pytest.approx(1 / 17)
+
+
+def test_token_totals_saturate_and_step_times_stay_finite() -> None:
+    """Totals go to the checkpoint's JSON and to the msgpack status: they stay exact integers below
+    2**53, and a sum of step times stays finite, whatever a learner reports."""
+    rounds = started(RoundConfig(fragments=1, sync_every=1_000_000), ("a",))
+    for _ in range(3):
+        rounds.step("a", 2**64 - 1, 1e308, now=1.0)
+    record = rounds.learners["a"]
+    assert record.tokens == MAX_TOTAL
+    assert math.isfinite(record.useful_s) and math.isfinite(record.goodput(2.0))
+
+
+def test_the_roster_forgets_learners_gone_longer_than_the_retention() -> None:
+    """20,000 ids seen once: the roster keeps the live ones, those that left within the retention,
+    at most MAX_GONE_LEARNERS of those (the most recent), and anyone whose push is still held."""
+    rounds = started(RoundConfig(fragments=1, sync_every=1, quorum=1), ("live", "holder"))
+    request = first_round(rounds)
+    held = push_for(request, "holder")
+    rounds.admit(held, now=0.1)
+    rounds.push_complete(held, OK, now=0.1)
+    rounds.leave("holder", now=0.2)
+    (merge,) = of(Merge, rounds.tick(now=10.0))  # merging: the push is held until it is merged
+    for i in range(20_000):
+        rounds.join(f"id-{i}", now=float(i))
+        rounds.leave(f"id-{i}", now=float(i))
+    now = 20_000.0
+    dropped = rounds.forget_gone(now, retention_s=1e9)
+    assert len(dropped) == 20_000 - MAX_GONE_LEARNERS and "holder" not in dropped
+    kept = set(rounds.learners)
+    assert kept == {"live", "holder", *(f"id-{i}" for i in range(20_000 - MAX_GONE_LEARNERS, 20_000))}
+    assert rounds.forget_gone(now, retention_s=10.5) == [f"id-{i}" for i in range(19_989, 18_975, -1)]
+    assert set(rounds.learners) == {"live", "holder", *(f"id-{i}" for i in range(19_990, 20_000))}
+    assert merge.pushes == (held,) and rounds.learners["holder"].contributions == 1
+    rounds.merged(merge.round_index, now=now)
+    assert "holder" in rounds.forget_gone(now + 1, retention_s=0.0)
+    assert "live" in rounds.learners
+
+
+def test_a_restored_learner_keeps_the_time_since_it_left() -> None:
+    rounds = Rounds(RoundConfig(fragments=1, sync_every=1))
+    rounds.restore_learner("a", tracked_s=100.0, useful_s=50.0, now=1000.0, idle_s=300.0)
+    assert rounds.learners["a"].idle_s(1000.0) == 300.0
+    assert rounds.forget_gone(1000.0, retention_s=301.0) == []
+    assert rounds.forget_gone(1002.0, retention_s=301.0) == ["a"]

@@ -11,6 +11,7 @@ honest learner's own steps.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from datetime import datetime
@@ -20,12 +21,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from dilocod.outer.weights import MAX_WEIGHT_RATIO
 from dilocod.transport.endpoints import connect
 from dilocod.transport.errors import SessionClosed
 from dilocod.transport.loop import run
-from dilocod.wire.messages import Join, Plan, StepReport
+from dilocod.wire.events import MessageReceived
+from dilocod.wire.frames import ChunkHeader, Codec
+from dilocod.wire.limits import DEFAULT_LIMITS
+from dilocod.wire.manifest import ModelEntry
+from dilocod.wire.messages import Join, Ping, Plan, StatusRequest, StatusResponse, StepReport
 
 from .learner_script import ScriptedLearner
+from .support import CoreClient
 from .syncer_process import (
     DaemonProcess,
     entry_model,
@@ -41,6 +48,11 @@ FRAGMENTS = 4
 ROUNDS_AFTER = 3
 #: A finite float32 that overflows as soon as two of them are added or one is squared.
 HUGE = 3e38
+#: The largest chunk a stream header may declare, and how many data connections a session may hold.
+MAX_CHUNK = DEFAULT_LIMITS.max_chunk_bytes
+DATA_CONNECTIONS = DEFAULT_LIMITS.max_data_connections
+#: The most a learner's weight share can be in a round with one other learner.
+MAX_SHARE_OF_TWO = MAX_WEIGHT_RATIO / (MAX_WEIGHT_RATIO + 1)
 
 
 @pytest.fixture
@@ -153,15 +165,12 @@ def test_absurd_numbers_from_one_learner_stop_nothing_for_the_others(
             while not isinstance(await session.recv(), Plan):
                 pass
             await session.send(report)
-            await session.send(StepReport(2, 1, 0.01))
-            # Closed by the syncer (the report was malformed), or still open: drain what it sends
-            # (the heal) until a quiet period says it kept the session.
-            try:
-                while True:
-                    async with asyncio.timeout(2.0):
-                        await session.recv()
-            except TimeoutError:
-                return False
+            # The syncer handles a session's control messages in order: its answer to a status
+            # request says it took the report and kept the session.
+            await session.send(StatusRequest())
+            while not isinstance(await session.recv(), StatusResponse):
+                pass
+            return False
         except SessionClosed:
             return True
         finally:
@@ -199,7 +208,8 @@ def test_absurd_numbers_from_one_learner_stop_nothing_for_the_others(
 
 def test_a_huge_token_count_biases_but_does_not_own_the_merge(tmp_path: Path, entry_dir: Path) -> None:
     """A key holder claiming 2^40 tokens per step against an honest 100 gets a bounded share of
-    every round they both contribute to, not all of it."""
+    every round they both contribute to, not all of it: with two learners its weight is clipped at
+    MAX_WEIGHT_RATIO (16) times the other's, a share of at most 16/17."""
     entries, _ = entry_model(entry_dir)
     syncer = start_syncer(
         tmp_path,
@@ -236,6 +246,91 @@ def test_a_huge_token_count_biases_but_does_not_own_the_merge(tmp_path: Path, en
     shared = [r for r in syncer.log_events("round merged") if len(set(r["contributors"])) == 2]
     assert shared
     for merged in shared:
+        # The log rounds weights to 4 decimals: hence the tolerance below.
         weights = dict(zip(merged["contributors"], merged["weights"], strict=True))
         share = weights["rogue"] / sum(weights.values())
-        assert share <= 0.8 + 1e-6, f"the rogue took {share:.1%} of round {merged['round']}"
+        assert share <= MAX_SHARE_OF_TWO + 1e-3, f"the rogue took {share:.1%} of round {merged['round']}"
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for process {pid}")
+
+
+def _refused_at_handshake(port: int, session: bytes) -> bool:
+    """Open one more data connection of `session`: whether the syncer refused it."""
+    try:
+        client = CoreClient(port, kind="data", session=session)
+    except AssertionError:  # the peer closed before the handshake completed
+        return True
+    client.close()
+    return False
+
+
+def _memory_attacks(port: int, entries: tuple[ModelEntry, ...], held: list[CoreClient]) -> None:
+    """What a peer may do to the syncer's memory, each connection kept open while measured.
+
+    A PING flood whose PONGs are never read (before JOIN); then a learner that joins and opens every
+    data connection its session may hold, asks for one too many, and on each begins a 16 MiB chunk
+    and then sends nothing more (a trickle).
+    """
+    flood = CoreClient(port)
+    held.append(flood)
+    for seq in range(100_000):
+        flood.conn.send(Ping(seq))
+        if seq % 1000 == 999:
+            with contextlib.suppress(OSError):  # a syncer that bounds its answers cuts us off
+                flood.flush()
+    owner = CoreClient(port)
+    held.append(owner)
+    owner.conn.send(Join(entries, ""))
+    owner.flush()
+    owner.wait_for(lambda e: isinstance(e, MessageReceived) and isinstance(e.message, Plan))
+    session = owner.peer.session
+    connections = [CoreClient(port, kind="data", session=session) for _ in range(DATA_CONNECTIONS)]
+    held.extend(connections)
+    assert _refused_at_handshake(port, session), "a data connection beyond the advertised limit was accepted"
+    chunk = ChunkHeader(0, MAX_CHUNK, Codec.NONE, 0, 0)
+    for data in connections:
+        data.conn.send_chunk(1, chunk, bytes(MAX_CHUNK))
+        head, *_ = data.conn.data_to_send()
+        with contextlib.suppress(OSError):  # a syncer may close what it will not hold
+            data.sock.sendall(bytes(head) + bytes(4096))  # then nothing more: a trickle
+
+
+def test_hostile_connections_cost_the_syncer_bounded_memory(tmp_path: Path, entry_dir: Path) -> None:
+    """Baseline: the syncer's resident memory after an honest learner's first rounds. Then the
+    attacks of _memory_attacks, all held open at once: the syncer's memory stays within 1.2x of the
+    baseline, and the honest learner's rounds go on."""
+    entries, _ = entry_model(entry_dir)
+    syncer = _start(tmp_path, entry_dir)
+    held: list[CoreClient] = []
+
+    async def main() -> tuple[int, int]:
+        async with asyncio.timeout(2 * DEADLINE_S):
+            good = ScriptedLearner("good", syncer.port, entries, step_s=0.01)
+            await good.join()
+            stop = asyncio.Event()
+            training = asyncio.create_task(good.run(stop=stop))
+            await _advance(good, ROUNDS_AFTER)
+            baseline = _rss_bytes(syncer.pid)
+            await asyncio.to_thread(_memory_attacks, syncer.port, entries, held)
+            await _advance(good, ROUNDS_AFTER)
+            attacked = _rss_bytes(syncer.pid)
+            stop.set()
+            await training
+            await good.close()
+            return baseline, attacked
+
+    try:
+        baseline, attacked = run(main())
+        mib = 2**20
+        assert attacked <= 1.2 * baseline, (
+            f"syncer RSS {attacked / mib:.0f} MiB after the attacks, {baseline / mib:.0f} MiB before"
+        )
+    finally:
+        for client in held:
+            client.close()
+        assert syncer.stop() == 0, syncer.stderr()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dilocod.learner.state import INSTANCE_FILE, learner_instance, rank_state_dir
-from dilocod.ops.statedir import StateDirInUse, hold_state_dir
+from dilocod.ops.statedir import StateDirError, StateDirInUse, hold_state_dir
 
 
 def test_a_held_directory_refuses_a_second_holder_until_released(tmp_path: Path) -> None:
@@ -28,7 +28,7 @@ def test_a_held_directory_refuses_a_second_holder_until_released(tmp_path: Path)
 def test_a_directory_that_cannot_be_made_is_named(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
-    with ExitStack() as stack, pytest.raises(StateDirInUse, match=f"--state-dir {blocker / 'state'}"):
+    with ExitStack() as stack, pytest.raises(StateDirError, match=f"--state-dir {blocker / 'state'}"):
         hold_state_dir(blocker / "state", "x.lock", "syncer", stack)
 
 

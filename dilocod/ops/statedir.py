@@ -26,6 +26,10 @@ from typing import BinaryIO
 #: errno values that say the disk failed a write (no space, over quota, an I/O error) rather than
 #: that the directory is misconfigured: at start they are a warning, later a save that is retried.
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO})
+#: The exit status of a daemon that stopped as asked but could not write its state on the way out
+#: (the syncer's final checkpoint, the learner's final local state): sysexits' EX_IOERR. The
+#: previous checkpoint or state file is intact; systemd's Restart=on-failure restarts it from there.
+EX_STATE_NOT_SAVED = 74
 #: The most bytes read from a lock file: a pid and a newline.
 MAX_PID_BYTES = 32
 #: The file the start-up write probe writes, syncs and removes (under the lock: no one else uses it).
@@ -38,6 +42,15 @@ class StateDirError(Exception):
 
 class StateDirInUse(StateDirError):
     """Another live process holds the state directory."""
+
+
+class StateNotSaved(Exception):
+    """A daemon stopped as asked, but its state could not be written on the way out (the
+    message says what and why); the command exits with EX_STATE_NOT_SAVED."""
+
+
+class NotARegularFile(OSError):
+    """A FIFO, a directory, a device or a socket where a regular file was expected."""
 
 
 def hold_state_dir(state_dir: Path, lock_file: str, holder: str, stack: ExitStack) -> None:
@@ -104,7 +117,8 @@ def probe_writes(state_dir: Path) -> str | None:
 
 
 def open_regular(path: Path) -> BinaryIO:
-    """`path` opened for reading (a binary file object) if it is a regular file, else OSError.
+    """`path` opened for reading (a binary file object) if it is a regular file, else
+    NotARegularFile (an OSError, as a failed open is).
 
     Opened without blocking (a FIFO in a file's place would block a plain open until something
     writes to it), then checked with fstat, so that what is read is what was checked."""
@@ -112,7 +126,7 @@ def open_regular(path: Path) -> BinaryIO:
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise OSError(errno.EINVAL, f"{path.name} is {file_kind(mode)}, not a file")
+            raise NotARegularFile(errno.EINVAL, f"{path.name} is {file_kind(mode)}, not a file")
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:

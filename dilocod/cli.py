@@ -559,6 +559,8 @@ def syncer(config_file: Path | None, ready_json: bool, uvloop: bool, **flags: An
             click.echo(json.dumps(info))
             sys.stdout.flush()
 
+    from dilocod.ops.statedir import EX_STATE_NOT_SAVED, StateNotSaved  # noqa: PLC0415
+
     try:
         notifier = Notifier.from_environment(os.environ)
         run_syncer(config, secret, tls=context, ready=ready, use_uvloop=uvloop, notifier=notifier)
@@ -566,6 +568,9 @@ def syncer(config_file: Path | None, ready_json: bool, uvloop: bool, **flags: An
         click.echo(f"dilocod syncer: {exc}", err=True)
         _user_traceback(exc)
         sys.exit(EX_CONFIG)
+    except StateNotSaved as exc:
+        click.echo(f"dilocod syncer: {exc}", err=True)
+        sys.exit(EX_STATE_NOT_SAVED)
 
 
 @main.command()
@@ -742,9 +747,13 @@ def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: An
     from dilocod.learner.entry import StepFailed  # noqa: PLC0415
     from dilocod.learner.netproc import NetworkProcessError  # noqa: PLC0415
     from dilocod.ops.notify import Notifier  # noqa: PLC0415
+    from dilocod.ops.statedir import EX_STATE_NOT_SAVED, StateNotSaved  # noqa: PLC0415
 
     try:
         run_learner(setup, Notifier.from_environment(os.environ))
+    except StateNotSaved as exc:
+        click.echo(f"dilocod learner: {exc}", err=True)
+        sys.exit(EX_STATE_NOT_SAVED)
     except LearnerSetupError as exc:
         click.echo(f"dilocod learner: {exc}", err=True)
         _user_traceback(exc)

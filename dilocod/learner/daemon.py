@@ -39,7 +39,7 @@ from dilocod.learner.runtime import LearnerStopped, RuntimeConfig, TrainingLoop
 from dilocod.learner.state import LOCK_FILE, LocalStateError, learner_instance, rank_state_dir
 from dilocod.learner.threads import HostCpus, choose_intra_op_threads
 from dilocod.ops.notify import USEC_PER_S, Notifier, watchdog_loop
-from dilocod.ops.statedir import StateDirInUse, hold_state_dir
+from dilocod.ops.statedir import StateDirError, StateNotSaved, hold_state_dir, probe_writes
 
 log = structlog.get_logger("dilocod.learner")
 #: How long the network (process or thread) may take to say goodbye once training has stopped.
@@ -113,9 +113,16 @@ def claim_state_dir(setup: LearnerSetup, held: contextlib.ExitStack) -> LearnerS
         return setup
     try:
         hold_state_dir(state_dir, LOCK_FILE, "learner", held)
+        # A read-only or unwritable directory is named now, not at the first save; a full disk
+        # is not a configuration error: training goes on, and every save tries again.
+        problem = probe_writes(state_dir)
         instance = learner_instance(state_dir)
-    except (StateDirInUse, OSError) as exc:
+    except (StateDirError, LocalStateError) as exc:
         raise LearnerSetupError(str(exc)) from None
+    except OSError as exc:
+        raise LearnerSetupError(f"--state-dir {state_dir}: {exc.strerror or exc}") from None
+    if problem is not None:
+        log.warning("state directory cannot be written now; training anyway", problem=problem)
     return dataclasses.replace(setup, link=dataclasses.replace(setup.link, instance=instance))
 
 
@@ -245,12 +252,15 @@ def _run(setup: LearnerSetup, device: torch.device, island: Island | None, notif
         log.info(
             "learner stopped",
             step=loop.step_index,
+            saves_failed=loop.saves_failed,
             pushes=(asdict(link.stats) if link is not None else side.stats if side else {}).get(
                 "pushes_sent"
             ),
             sent_bytes=final["sent_bytes"],
             received_bytes=final["received_bytes"],
         )
+    if loop.save_problem is not None:  # the save on the way out failed (the disk, not the state)
+        raise StateNotSaved(f"the local state of step {loop.step_index} was not saved: {loop.save_problem}")
 
 
 async def _report_status(
@@ -266,7 +276,10 @@ async def _report_status(
         await asyncio.sleep(every_s)
         now_s, step = clock(), loop.step_index
         rate = (step - last_step) / max(now_s - last_s, 1e-9)
-        notifier.status(status_line(step, rate, loop.progress.last_loss, network()))
+        line = status_line(step, rate, loop.progress.last_loss, network())
+        if loop.save_problem is not None:
+            line += f"; local state not saved ({loop.saves_failed} failed saves): {loop.save_problem}"
+        notifier.status(line)
         last_s, last_step = now_s, step
 
 

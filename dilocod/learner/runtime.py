@@ -30,6 +30,7 @@ from dilocod.learner.island import Island
 from dilocod.learner.layout import FragmentLayout, layouts_for
 from dilocod.learner.state import (
     LocalStateError,
+    LocalStateNotSaved,
     check_loadable,
     load_local_state,
     rank_state_dir,
@@ -176,6 +177,9 @@ class TrainingLoop:
         self.overlap = 2
         self._last_save = time.monotonic()
         self._last_progress = time.monotonic()
+        #: Saves the disk failed since the last one that succeeded, and why the last one failed.
+        self.saves_failed = 0
+        self.save_problem: str | None = None
 
     # ------------------------------------------------------------------ life cycle
 
@@ -228,14 +232,23 @@ class TrainingLoop:
         if self.state_dir is not None:
             check_loadable(self._state())
 
-    def save(self) -> None:
+    def save(self) -> bool:
         """Write the local state (checked first: a state that would not load is refused, and the
-        last good file stays)."""
+        last good file stays). A write the disk fails (full, an I/O error) is logged and counted
+        and training goes on: the previous file stays whole and the next save tries again."""
         if self.state_dir is None:
-            return
-        path = save_local_state(self.state_dir, self._state())
+            return False
         self._last_save = time.monotonic()
+        try:
+            path = save_local_state(self.state_dir, self._state())
+        except LocalStateNotSaved as exc:
+            self.saves_failed += 1
+            self.save_problem = str(exc)
+            log.error("local state not saved", error=str(exc), step=self.step_index, failed=self.saves_failed)
+            return False
+        self.saves_failed, self.save_problem = 0, None
         log.info("saved local state", path=str(path), step=self.step_index)
+        return True
 
     def _save_on_the_way_out(self) -> None:
         """Save while an exception is on its way out: a save that fails too is logged, and the

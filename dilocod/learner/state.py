@@ -11,12 +11,19 @@ the instance of a session it still holds take that session's place at once (a re
 crash, whose old connections may look alive for a while), and refuses another learner under the
 same --id. A lock on the directory keeps a second process off it.
 
+Every file is opened only if it is a regular file, without blocking (dilocod.ops.statedir): a FIFO
+or a directory in place of learner-state.pt or of the instance file is named at start (exit 78),
+never waited on. A write that the disk fails (full, over quota, an I/O error) raises
+LocalStateNotSaved with the previous file intact and no temporary file left: the learner trains on
+and tries again at its next save.
+
 The global fragments are not saved here: after a restart the learner heals from the syncer. Must
 not import networking.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -29,6 +36,8 @@ from typing import Any
 
 import torch
 
+from dilocod.ops.statedir import DISK_ERRNOS, NotARegularFile, fsync_dir, open_regular, read_regular
+
 STATE_FILE = "learner-state.pt"
 FORMAT = "dilocod-learner-state/1"
 #: Held (flock) by the learner process that uses the directory, for its whole life.
@@ -36,6 +45,8 @@ LOCK_FILE = "learner.lock"
 #: This learner's instance id (JOIN's instance): made at the first start, kept across restarts.
 INSTANCE_FILE = "instance"
 _INSTANCE = re.compile(r"[0-9a-f]{32}")
+#: The most bytes read from the instance file (32 hex digits and a newline; more is not ours).
+MAX_INSTANCE_BYTES = 64
 #: How the top-level parts of the state are named to the user, in check_loadable's message.
 PART_NAMES = {
     "user": "Trainer.state_dict()",
@@ -51,6 +62,30 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 class LocalStateError(Exception):
     """The saved state cannot be used; the message names the file and the problem."""
+
+
+class LocalStateNotSaved(Exception):
+    """Writing the state failed for a reason of the disk or the file system (full, an I/O error);
+    the previous file is intact and the next save may succeed. The message names the cause."""
+
+
+class _RecordingWriter:
+    """A file that remembers the OSError a write raised: torch.save reports a failed write as a
+    RuntimeError about stream positions, and the cause (no space left) would be lost."""
+
+    def __init__(self, handle: io.BufferedWriter) -> None:
+        self.handle = handle
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.handle.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.handle.flush()
 
 
 def check_loadable(state: Mapping[str, Any]) -> None:
@@ -126,33 +161,57 @@ def _first_line(exc: BaseException) -> str:
 
 
 def save_local_state(state_dir: Path, state: Mapping[str, Any]) -> Path:
-    """Write the state atomically; refused (LocalStateError, the old file kept) if it would not load."""
+    """Write the state atomically (temporary file, fsync, rename, fsync the directory).
+
+    Refused with LocalStateError (nothing written) if it would not load. LocalStateNotSaved when
+    writing fails: the previous file is kept whole and no temporary file is left."""
     check_loadable(state)
-    state_dir.mkdir(parents=True, exist_ok=True)
     path = state_dir / STATE_FILE
     temporary = state_dir / f".{STATE_FILE}.{os.getpid()}.tmp"
+    writer: _RecordingWriter | None = None
     try:
-        with temporary.open("wb") as handle:
-            torch.save({"format": FORMAT, **state}, handle)
+        state_dir.mkdir(parents=True, exist_ok=True)
+        temporary.unlink(missing_ok=True)  # a leftover of this pid's earlier life; O_EXCL below
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        with os.fdopen(os.open(temporary, flags, 0o644), "wb") as handle:
+            writer = _RecordingWriter(handle)
+            torch.save({"format": FORMAT, **state}, writer)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)
-        directory = os.open(state_dir, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
+        fsync_dir(state_dir)
+    except OSError as exc:
+        raise LocalStateNotSaved(_not_saved(path, exc)) from exc
+    except RuntimeError as exc:
+        if writer is None or writer.error is None:
+            raise
+        raise LocalStateNotSaved(_not_saved(path, writer.error)) from exc
     finally:
-        temporary.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a directory in its place: the next save's unlink says so
+            temporary.unlink(missing_ok=True)
     return path
 
 
+def _not_saved(path: Path, exc: OSError) -> str:
+    kept = "the previous file is kept" if os.path.exists(path) else "there is no earlier file"
+    return f"{path} not written: {exc.strerror or exc} ({kept})"
+
+
 def load_local_state(state_dir: Path) -> dict[str, Any] | None:
+    """The saved state, None if there is none; LocalStateError when it cannot be used (not a
+    regular file, unreadable, not ours, or holding what weights_only refuses)."""
     path = state_dir / STATE_FILE
-    if not path.exists():
-        return None
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        handle = open_regular(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise LocalStateError(
+            f"{path} cannot be read: {exc.strerror or exc}; move it away to start fresh"
+        ) from None
+    try:
+        with handle:
+            state = torch.load(handle, map_location="cpu", weights_only=True)
     except UnpicklingError as exc:
         # torch's own text suggests retrying with weights_only=False: the one thing not to do here.
         named = re.search(r"GLOBAL ([\w.]+)", str(exc))
@@ -180,17 +239,28 @@ def rank_state_dir(state_dir: Path | None, rank: int | None) -> Path | None:
 
 def learner_instance(state_dir: Path) -> str:
     """The instance id kept in state_dir, made (random, 128 bits) and written atomically at the
-    first start or when the file is missing or unreadable."""
+    first start or when the file is missing or does not hold one.
+
+    LocalStateError when something other than a regular file is in its place (named at start, not
+    waited on). When the disk fails the write (DISK_ERRNOS) the new id is used unsaved: a restart
+    then comes back as a new process of the same learner id, which the syncer also accepts."""
     path = state_dir / INSTANCE_FILE
     try:
-        found = path.read_text().strip()
+        found = read_regular(path, MAX_INSTANCE_BYTES).decode(errors="replace").strip()
+    except NotARegularFile as exc:
+        raise LocalStateError(f"{path}: {exc.strerror}: move it away") from None
     except OSError:
-        found = ""
+        found = ""  # missing, or unreadable (EFBIG, EIO): made anew
     if _INSTANCE.fullmatch(found):
         return found
     instance = secrets.token_hex(16)
     state_dir.mkdir(parents=True, exist_ok=True)
     temporary = state_dir / f".{INSTANCE_FILE}.{os.getpid()}.tmp"
-    temporary.write_text(instance + "\n")
-    os.replace(temporary, path)
+    try:
+        temporary.write_text(instance + "\n")
+        os.replace(temporary, path)
+    except OSError as exc:
+        temporary.unlink(missing_ok=True)
+        if exc.errno not in DISK_ERRNOS:
+            raise
     return instance

@@ -13,7 +13,11 @@ Owns the on-disk layout under a state directory:
 A checkpoint is written into a temporary directory, every file fsync'd, the directory fsync'd,
 renamed to its final name and the parent fsync'd, so a directory with a final name is complete
 unless something outside dilocod damaged it; loading checks every recorded size and digest anyway
-and falls back to the previous checkpoint. The files need no dilocod to read: safetensors plus JSON.
+and falls back to the previous checkpoint. Whatever is wrong with a checkpoint's files makes it
+damaged, never a crash or a hang: a state.json that does not parse (deep nesting included) or is
+larger than MAX_STATE_FILE_BYTES, a FIFO or a directory in a file's place (files are opened without
+blocking and read only if they are regular files). The files need no dilocod to read: safetensors
+plus JSON.
 
 Tensor files are written here in the documented safetensors format (8-byte little-endian header
 length, JSON header padded to 8 bytes, tensors packed back to back), straight from each tensor's
@@ -43,6 +47,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from dilocod.ops.statedir import fsync_dir, open_regular, read_regular
+
 CHECKPOINTS_DIR = "checkpoints"
 MODEL_FILE = "model.safetensors"
 MOMENTUM_FILE = "momentum.safetensors"
@@ -54,6 +60,10 @@ DEFAULT_KEEP = 3
 _NAME_PREFIX = "ckpt-"
 _NAME_RE = re.compile(r"ckpt-(\d{12,})")
 _TEMP_PREFIX = ".tmp-"
+#: The most bytes of a state.json that loading reads: far above what a model's parameter names and
+#: a large roster take (about 100 bytes a parameter, 300 a learner), and a save never writes more,
+#: so a larger file is damage and is passed over unread.
+MAX_STATE_FILE_BYTES = 64 * 1024 * 1024
 #: Read buffer for hashing while exporting: large enough that syscalls do not dominate.
 _COPY_CHUNK_BYTES = 8 * 1024 * 1024
 _WRITE_SLICE_BYTES = 64 * 1024 * 1024
@@ -187,11 +197,18 @@ def save_checkpoint(state_dir: Path, state: SyncerState, *, keep: int = DEFAULT_
             "meta": json.loads(meta_json),
             "files": {MODEL_FILE: model_record, MOMENTUM_FILE: momentum_record},
         }
-        _write_bytes(temp / STATE_FILE, (json.dumps(document, indent=1, allow_nan=False) + "\n").encode())
-        _fsync_dir(temp)
+        encoded = (json.dumps(document, indent=1, allow_nan=False) + "\n").encode()
+        if len(encoded) > MAX_STATE_FILE_BYTES:
+            # Loading would pass it over as damaged: never write a checkpoint that cannot load.
+            raise CheckpointError(
+                f"{STATE_FILE} would be {len(encoded)} bytes, more than the {MAX_STATE_FILE_BYTES} "
+                "a load reads (too many parameter names or learners in the roster)"
+            )
+        _write_bytes(temp / STATE_FILE, encoded)
+        fsync_dir(temp)
         # The directory is complete and durable before it gets a name that loading considers.
         temp.rename(final)
-        _fsync_dir(root)
+        fsync_dir(root)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
         raise
@@ -326,14 +343,6 @@ def _write_bytes(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _make_dirs(path: Path) -> None:
     """mkdir -p, fsyncing each new directory's parent so that the new entry survives a crash."""
     missing: list[Path] = []
@@ -342,7 +351,7 @@ def _make_dirs(path: Path) -> None:
         path = path.parent
     for directory in reversed(missing):
         directory.mkdir(exist_ok=True)
-        _fsync_dir(directory.parent)
+        fsync_dir(directory.parent)
 
 
 # --- loading ----------------------------------------------------------------------------------
@@ -370,11 +379,16 @@ def load_latest_checkpoint(state_dir: Path) -> LoadedCheckpoint | None:
 
 
 def _final_dirs(root: Path) -> list[tuple[int, Path]]:
-    """Final-named checkpoint directories, newest (highest sequence) first."""
-    if not root.is_dir():
+    """Final-named checkpoint directories, newest (highest sequence) first; CheckpointError when
+    the checkpoints directory exists but cannot be listed (not a directory, no permission)."""
+    try:
+        entries = list(root.iterdir())
+    except FileNotFoundError:
         return []
+    except OSError as exc:
+        raise CheckpointError(f"cannot list {root}: {exc.strerror or exc}") from None
     found = []
-    for entry in root.iterdir():
+    for entry in entries:
         match = _NAME_RE.fullmatch(entry.name)
         if match and entry.is_dir():
             found.append((int(match.group(1)), entry))
@@ -394,15 +408,15 @@ def _looks_complete(path: Path, sequence: int) -> bool:
 def _read_document(path: Path, sequence: int) -> dict[str, Any]:
     """Parse and validate state.json; _Damaged says what is wrong."""
     try:
-        raw = (path / STATE_FILE).read_bytes()
+        raw = read_regular(path / STATE_FILE, MAX_STATE_FILE_BYTES)
     except FileNotFoundError:
         raise _Damaged(f"{STATE_FILE} is missing (incomplete checkpoint)") from None
     except OSError as exc:
-        raise _Damaged(f"cannot read {STATE_FILE}: {exc}") from None
+        raise _Damaged(f"cannot read {STATE_FILE}: {exc.strerror or exc}") from None
     try:
         document = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise _Damaged(f"{STATE_FILE} does not parse: {exc}") from None
+    except Exception as exc:  # any failure to parse is damage (deep nesting: RecursionError)
+        raise _Damaged(f"{STATE_FILE} does not parse: {type(exc).__name__}: {_first_line(exc)}") from None
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         raise _Damaged(f"{STATE_FILE} is not a {FORMAT} document")
     if document.get("format_version") != FORMAT_VERSION:
@@ -439,15 +453,20 @@ def _read_document(path: Path, sequence: int) -> dict[str, Any]:
     return document
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else ""
+
+
 def _verify_file(path: Path, record: dict[str, Any]) -> None:
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             if size != record["bytes"]:
                 raise _Damaged(f"{path.name} has {size} bytes, {STATE_FILE} recorded {record['bytes']}")
             digest = hashlib.file_digest(f, "sha256").hexdigest()
     except OSError as exc:
-        raise _Damaged(f"cannot read {path.name}: {exc}") from None
+        raise _Damaged(f"cannot read {path.name}: {exc.strerror or exc}") from None
     if digest != record["sha256"]:
         raise _Damaged(f"{path.name} has sha256 {digest}, {STATE_FILE} recorded {record['sha256']}")
 
@@ -526,7 +545,7 @@ def export_newest(state_dir: Path, out: Path) -> ExportedCheckpoint:
             continue
         finally:
             temp.unlink(missing_ok=True)
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
         return ExportedCheckpoint(
             out, sequence, tuple(document["versions"]), float(document["saved_at_unix_s"])
         )
@@ -537,9 +556,9 @@ def _copy_verified(source: Path, record: dict[str, Any], target: Path) -> None:
     """Copy source to target (fsync'd), checking the recorded size and SHA-256 on the way."""
     digest = hashlib.sha256()
     try:
-        src = open(source, "rb")  # noqa: SIM115 - closed below; OSError here means damage
+        src = open_regular(source)  # closed below; OSError here means damage
     except OSError as exc:
-        raise _Damaged(f"cannot read {source.name}: {exc}") from None
+        raise _Damaged(f"cannot read {source.name}: {exc.strerror or exc}") from None
     with src, open(target, "xb") as dst:
         size = os.fstat(src.fileno()).st_size
         if size != record["bytes"]:

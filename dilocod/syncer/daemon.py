@@ -28,7 +28,7 @@ from dilocod.contract import LearnerContext
 from dilocod.learner.entry import EntryError, load_trainer
 from dilocod.learner.layout import PlanMismatch, model_entries
 from dilocod.ops.notify import watchdog_loop
-from dilocod.ops.statedir import StateDirInUse, hold_state_dir
+from dilocod.ops.statedir import StateDirError, StateNotSaved, hold_state_dir, probe_writes
 from dilocod.outer import plan_fragments
 from dilocod.syncer.checkpoint import CheckpointError, load_latest_checkpoint
 from dilocod.syncer.model import GlobalModel, ModelMismatch
@@ -51,11 +51,16 @@ class Prepared:
 
 
 def lock_state_dir(state_dir: Path, stack: ExitStack) -> None:
-    """Hold an exclusive lock on the state directory for the life of the process."""
+    """Hold an exclusive lock on the state directory for the life of the process, and try a write
+    there: a read-only or unwritable directory is a SetupError now, not a failed checkpoint later.
+    A full disk is not: the syncer serves, and every checkpoint says so and tries again."""
     try:
         hold_state_dir(state_dir, LOCK_FILE, "syncer", stack)
-    except StateDirInUse as exc:
+        problem = probe_writes(state_dir)
+    except StateDirError as exc:
         raise SetupError(str(exc)) from None
+    if problem is not None:
+        log.warning("state directory cannot be written now; serving anyway", problem=problem)
 
 
 def prepare(config: SyncerConfig, secret: bytes | None, *, tls: ssl.SSLContext | None = None) -> Prepared:
@@ -207,7 +212,8 @@ def run_syncer(
     use_uvloop: bool = True,
     notifier: Any = None,
 ) -> None:
-    """Run until SIGTERM or SIGINT; SetupError before anything listens if the setup is wrong."""
+    """Run until SIGTERM or SIGINT; SetupError before anything listens if the setup is wrong;
+    StateNotSaved after the goodbyes when the checkpoint on the way out failed."""
     from dilocod.transport.loop import run  # noqa: PLC0415
 
     with ExitStack() as stack:
@@ -265,3 +271,9 @@ def run_syncer(
                         helper.cancel()
 
         run(main(), use_uvloop=use_uvloop)
+        if service.final_checkpoint_problem is not None:
+            newest = service.last_checkpoint or prepared.resumed_from
+            raise StateNotSaved(
+                f"the final checkpoint was not written ({service.final_checkpoint_problem}); the newest "
+                f"checkpoint is {newest if newest is not None else 'none: this syncer wrote none'}"
+            )

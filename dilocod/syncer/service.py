@@ -29,7 +29,7 @@ from dilocod.config import SyncerConfig
 from dilocod.ops.priority import lower_this_thread
 from dilocod.outer.guard import Verdict
 from dilocod.precision import PRECISIONS, decode, precision_of, push_layout
-from dilocod.syncer.checkpoint import SyncerState, save_checkpoint
+from dilocod.syncer.checkpoint import CheckpointPruneError, SyncerState, save_checkpoint
 from dilocod.syncer.model import GlobalModel, MergeRejected, Snapshot, first_mismatch
 from dilocod.syncer.rounds import Action, Merge, Push, Refusal, Release, Request, Rounds
 from dilocod.syncer.steprate import StepRates
@@ -142,6 +142,11 @@ class SyncerService:
         self.bytes_out = 0
         self.checkpoints_written = 0
         self.last_checkpoint: Path | None = None
+        #: Checkpoints that failed since the last one written, and why the last one failed.
+        self.checkpoints_failed = 0
+        self.checkpoint_problem: str | None = None
+        #: Why the checkpoint on the way out failed (None: written, or not tried yet).
+        self.final_checkpoint_problem: str | None = None
         self.started_at = clock()
         self.step_rates = StepRates()
         self._specs = [model.specs[name] for name in model.order]
@@ -169,7 +174,8 @@ class SyncerService:
 
     async def serve(self, stop: asyncio.Event, ready: Callable[[str, int], None]) -> None:
         """Listen, serve until stop is set, then wind down: finish merges in flight, write a
-        checkpoint, say goodbye to every learner."""
+        checkpoint, say goodbye to every learner. A checkpoint that fails on the way out (a full
+        disk) is logged and kept in final_checkpoint_problem; the goodbyes are said all the same."""
         self.model.publish_all()
         options = TransportOptions(chunk_bytes=self.config.chunk)
         try:
@@ -209,14 +215,19 @@ class SyncerService:
                     task.cancel()
                 if self._merges:
                     await asyncio.wait(self._merges, timeout=60.0)
-                await self.checkpoint()
+                try:
+                    await self.checkpoint()
+                except Exception:  # logged by checkpoint(); the learners are told all the same
+                    self.final_checkpoint_problem = self.checkpoint_problem
                 await server.close("syncer shutting down")
         finally:
             self._screener.shutdown(wait=True, cancel_futures=True)
             self._executor.shutdown(wait=True, cancel_futures=True)
 
     async def checkpoint(self) -> Path:
-        """Write a checkpoint now (in the merge worker, between merges)."""
+        """Write a checkpoint now (in the merge worker, between merges). A failure is counted,
+        logged with its reason and raised; nothing of it is left on disk, so the previous
+        checkpoint stays the newest. Old checkpoints that cannot be removed are only logged."""
         now = self.clock()
         self._forget_gone(now)
         meta = {
@@ -244,9 +255,24 @@ class SyncerService:
             params, momentum = self.model.state()
             return save_checkpoint(self.state_dir, SyncerState(params, momentum, self.model.versions, meta))
 
-        path = await asyncio.get_running_loop().run_in_executor(self._executor, save)
+        try:
+            path = await asyncio.get_running_loop().run_in_executor(self._executor, save)
+        except CheckpointPruneError as exc:  # written and durable; the disk will fill up
+            path = exc.saved
+            log.error("old checkpoints not removed", path=str(path), error=str(exc.__cause__))
+        except Exception as exc:
+            self.checkpoints_failed += 1
+            self.checkpoint_problem = f"{type(exc).__name__}: {exc}"
+            log.error(
+                "checkpoint failed",
+                error=self.checkpoint_problem,
+                failed=self.checkpoints_failed,
+                newest=str(self.last_checkpoint) if self.last_checkpoint else None,
+            )
+            raise
         self.checkpoints_written += 1
         self.last_checkpoint = path
+        self.checkpoints_failed, self.checkpoint_problem = 0, None
         log.info("checkpoint", path=str(path), versions=sum(self.model.versions))
         return path
 
@@ -258,10 +284,9 @@ class SyncerService:
     async def _checkpoint_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.checkpoint_every_s)
-            try:
+            # A full disk must not stop training: logged by checkpoint(), and the next try may work.
+            with contextlib.suppress(Exception):
                 await self.checkpoint()
-            except Exception as exc:  # a full disk must not stop training; the next try may work
-                log.error("checkpoint failed", error=repr(exc))
 
     async def _watch_lag(self) -> None:
         """How late the loop wakes up: what every session feels while something blocks it."""
@@ -778,6 +803,9 @@ class SyncerService:
             "handler_errors": self._server.handler_errors if self._server is not None else 0,
             "loop_lag_ms": _quantiles(self._lag_ms),
             "last_checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
+            # Checkpoints failed since the last one written (a full disk), and the last reason.
+            "checkpoints_failed": self.checkpoints_failed,
+            "checkpoint_problem": self.checkpoint_problem,
         }
 
 

@@ -20,11 +20,13 @@ import safetensors
 import torch
 from safetensors.torch import load_file
 
+from dilocod.syncer import checkpoint
 from dilocod.syncer.checkpoint import (
     CHECKPOINTS_DIR,
     MODEL_FILE,
     MOMENTUM_FILE,
     STATE_FILE,
+    CheckpointError,
     DamagedCheckpointsError,
     NoCheckpointError,
     SyncerState,
@@ -318,6 +320,83 @@ def test_no_checkpoint_is_none(tmp_path: Path) -> None:
     (tmp_path / CHECKPOINTS_DIR).mkdir()
     (tmp_path / CHECKPOINTS_DIR / "README").write_text("not a checkpoint\n")
     assert load_latest_checkpoint(tmp_path) is None
+
+
+def _in_place_of(path: Path, kind: str) -> None:
+    """Put a FIFO or a directory where a checkpoint's file was (what a disk or a person can do)."""
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.mkdir()
+
+
+# A plain open of a FIFO waits for a writer: without the non-blocking open these tests hang, and
+# the timeout turns that into a failure.
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+@pytest.mark.parametrize("file_name", [STATE_FILE, MODEL_FILE, MOMENTUM_FILE])
+def test_a_file_that_is_not_a_regular_file_is_damage_and_never_blocks(
+    tmp_path: Path, file_name: str, kind: str
+) -> None:
+    previous = save_checkpoint(tmp_path, make_state(1, versions=[1]))
+    newest = save_checkpoint(tmp_path, make_state(2, versions=[2]))
+    _in_place_of(newest / file_name, kind)
+    loaded = load_latest_checkpoint(tmp_path)
+    assert loaded is not None and (loaded.path, loaded.state.versions) == (previous, [1])
+    [skipped] = loaded.skipped
+    assert f"{file_name} is a {'FIFO' if kind == 'fifo' else 'directory'}, not a file" in skipped.reason
+    if file_name != MOMENTUM_FILE:  # the export reads state.json and the model file
+        export_model(tmp_path, tmp_path / "out.safetensors")
+        assert set(load_file(str(tmp_path / "out.safetensors"))) == set(make_state(1).params)
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        # json.loads raises RecursionError, not a JSONDecodeError, on deep nesting.
+        (b"[" * 1_000_000, "does not parse: RecursionError"),
+        (b'{"a": ' * 200_000 + b"1" + b"}" * 200_000, "does not parse: RecursionError"),
+        (b"\x00" * 100, "does not parse"),
+    ],
+)
+def test_any_state_json_that_does_not_parse_is_damage(tmp_path: Path, content: bytes, reason: str) -> None:
+    previous = save_checkpoint(tmp_path, make_state(1, versions=[1]))
+    newest = save_checkpoint(tmp_path, make_state(2, versions=[2]))
+    (newest / STATE_FILE).write_bytes(content)
+    loaded = load_latest_checkpoint(tmp_path)
+    assert loaded is not None and (loaded.path, loaded.state.versions) == (previous, [1])
+    assert reason in loaded.skipped[0].reason
+    # Pruning reads state.json too: the damaged one goes, the good one stays.
+    save_checkpoint(tmp_path, make_state(3, versions=[3]), keep=2)
+    assert checkpoint_names(tmp_path) == [previous.name, "ckpt-000000000003"]
+
+
+def test_a_state_json_over_the_bound_is_damage_and_never_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    previous = save_checkpoint(tmp_path, make_state(1, versions=[1]))
+    newest = save_checkpoint(tmp_path, make_state(2, versions=[2]))
+    bound = (previous / STATE_FILE).stat().st_size + 100
+    monkeypatch.setattr(checkpoint, "MAX_STATE_FILE_BYTES", bound)
+    (newest / STATE_FILE).write_bytes(b" " * (bound + 1))
+    loaded = load_latest_checkpoint(tmp_path)
+    assert loaded is not None and loaded.path == previous
+    assert f"larger than {bound} bytes" in loaded.skipped[0].reason
+    # A save whose state.json would be over the bound writes nothing (a load would refuse it).
+    big = make_state(3, versions=[3])
+    big.meta["roster"] = ["learner"] * 100
+    with pytest.raises(CheckpointError, match=f"more than the {bound}"):
+        save_checkpoint(tmp_path, big)
+    assert checkpoint_names(tmp_path) == [previous.name, newest.name]
+
+
+def test_a_checkpoints_path_that_is_not_a_directory_is_an_error_not_a_fresh_start(tmp_path: Path) -> None:
+    (tmp_path / CHECKPOINTS_DIR).write_text("")
+    with pytest.raises(CheckpointError, match=f"cannot list {tmp_path / CHECKPOINTS_DIR}: Not a directory"):
+        load_latest_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="Not a directory"):
+        save_checkpoint(tmp_path, make_state(1))
 
 
 # --- validation on save ------------------------------------------------------------------------

@@ -1,10 +1,13 @@
 """The learner's local state file (dilocod.learner.state): what torch.load(weights_only=True) would
 refuse at the next start is refused before it is written, naming the key and the type, so that a
-learner never saves a file that it then cannot load."""
+learner never saves a file that it then cannot load; a write the disk fails keeps the previous file
+whole; a FIFO or a directory in the file's place is named, never waited on."""
 
 from __future__ import annotations
 
 import collections
+import errno
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +18,12 @@ import torch
 from dilocod.learner.state import (
     STATE_FILE,
     LocalStateError,
+    LocalStateNotSaved,
     check_loadable,
     load_local_state,
     save_local_state,
 )
+from tests.integration.mounts import FILLER, fill, small_tmpfs
 
 
 def _state(user: Any) -> dict[str, Any]:
@@ -113,3 +118,61 @@ def test_tensors_are_not_serialised_by_the_check(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(torch.Tensor, "__reduce_ex__", refuse)
     check_loadable(state)
+
+
+# --- what a disk can do ---------------------------------------------------------------------------
+
+
+def _saved_step(state_dir: Path) -> int:
+    loaded = load_local_state(state_dir)
+    assert loaded is not None
+    return int(loaded["step"])
+
+
+def test_a_full_disk_keeps_the_previous_file_and_leaves_no_temporary(tmp_path: Path) -> None:
+    """A real full tmpfs: torch.save reports the failed write as a RuntimeError about stream
+    positions; the save names the cause (no space left), keeps the previous file whole, and the
+    next save after space is freed succeeds."""
+    with small_tmpfs(tmp_path / "disk", 1024 * 1024) as disk:
+        save_local_state(disk, _state({"cursor": 1}))
+        filler = fill(disk)
+        later = _state({"cursor": 2})
+        later["step"] = 9
+        with pytest.raises(LocalStateNotSaved, match=r"No space left on device.*the previous file is kept"):
+            save_local_state(disk, later)
+        assert _saved_step(disk) == 4
+        assert sorted(p.name for p in disk.iterdir()) == sorted([FILLER, STATE_FILE])
+        filler.unlink()
+        save_local_state(disk, later)
+        assert _saved_step(disk) == 9
+
+
+@pytest.mark.parametrize("failing", ["fsync", "replace"])
+def test_a_write_the_disk_fails_is_not_saved_and_the_old_file_stays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    save_local_state(tmp_path, _state({"cursor": 1}))
+
+    def broken(*args: object) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, failing, broken)
+    with pytest.raises(LocalStateNotSaved, match="Input/output error"):
+        save_local_state(tmp_path, _state({"cursor": 2}))
+    monkeypatch.undo()
+    loaded = load_local_state(tmp_path)
+    assert loaded is not None and loaded["user"] == {"cursor": 1}
+    assert [p.name for p in tmp_path.iterdir()] == [STATE_FILE]
+
+
+# A plain open of a FIFO waits for a writer: without the non-blocking open this test hangs, and
+# the timeout turns that into a failure.
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["FIFO", "directory"])
+def test_a_state_file_that_is_not_a_regular_file_is_named_without_blocking(tmp_path: Path, kind: str) -> None:
+    if kind == "FIFO":
+        os.mkfifo(tmp_path / STATE_FILE)
+    else:
+        (tmp_path / STATE_FILE).mkdir()
+    with pytest.raises(LocalStateError, match=f"{STATE_FILE} is a {kind}, not a file; move it away"):
+        load_local_state(tmp_path)

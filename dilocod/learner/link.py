@@ -55,6 +55,7 @@ from dilocod.transport.tuning import (
 )
 from dilocod.wire.codecs import chunk_checksums
 from dilocod.wire.errors import ErrorCode
+from dilocod.wire.limits import DEFAULT_LIMITS
 from dilocod.wire.manifest import ModelEntry, TensorEntry, pack_manifest
 from dilocod.wire.messages import FragmentRequest, Join, Plan, PushHeader, StepReport, UpdateHeader
 
@@ -412,7 +413,7 @@ class Link:
         if session is None or not session.is_open:
             return  # the syncer is away: its rounds go on without these; step reports are moot
         for item in steps:
-            session.control.send(StepReport(item.step, item.tokens, item.step_time_s))
+            session.control.send(StepReport.within(item.step, item.tokens, item.step_time_s))
         for snapshot in snapshots:
             task = asyncio.ensure_future(self._push(session, snapshot))
             self._pushes.add(task)
@@ -448,8 +449,9 @@ class Link:
             fragment=snapshot.fragment,
             round=snapshot.round,
             base_version=snapshot.base_version,
-            c_steps=snapshot.c_steps,
-            c_tokens=snapshot.c_tokens,
+            # Within the ranges the syncer accepts (wire/limits.py), far above any real count.
+            c_steps=min(snapshot.c_steps, DEFAULT_LIMITS.max_reported_steps),
+            c_tokens=min(snapshot.c_tokens, DEFAULT_LIMITS.max_push_tokens),
         )
         shuffle = PUSH_SHUFFLE if codec != "none" else 0
         self._meter.started(loop.time(), codec)

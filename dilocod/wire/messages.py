@@ -15,7 +15,7 @@ import msgpack
 
 from dilocod.wire.errors import ErrorCode, RemoteProtocolError
 from dilocod.wire.frames import CODECS_BY_NAME, FrameType
-from dilocod.wire.limits import Limits
+from dilocod.wire.limits import DEFAULT_LIMITS, Limits
 from dilocod.wire.manifest import ModelEntry, TensorEntry, parse_manifest, parse_model
 
 NONCE_BYTES = 32
@@ -215,6 +215,21 @@ class StepReport:
 
     def to_body(self) -> dict[str, Any]:
         return {"step": self.step, "tokens": self.tokens, "step_time_s": self.step_time_s}
+
+    @classmethod
+    def within(
+        cls, step: int, tokens: int, step_time_s: float, limits: Limits = DEFAULT_LIMITS
+    ) -> StepReport:
+        """The report an honest learner sends: each number brought into the range the syncer
+        accepts, so that an odd one never costs the learner its session (a step that lasted longer
+        than a day, e.g. a suspended host, is reported as a day; a clock that went back, as 0)."""
+        if not math.isfinite(step_time_s):
+            step_time_s = limits.max_step_time_s if step_time_s > 0 else 0.0
+        return cls(
+            min(max(step, 0), limits.max_reported_steps),
+            min(max(tokens, 0), limits.max_step_tokens),
+            min(max(step_time_s, 0.0), limits.max_step_time_s),
+        )
 
     @classmethod
     def from_body(cls, b: _Body, limits: Limits) -> StepReport:

@@ -11,6 +11,7 @@ RemoteProtocolError and nothing else.
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any
 
 import msgpack
@@ -376,6 +377,24 @@ def test_reported_numbers_are_range_checked(
         assert key in str(info.value) and (f"{bound:g}" if isinstance(bound, float) else str(bound)) in str(
             info.value
         )
+
+
+@pytest.mark.parametrize(
+    ("step_time_s", "sent"),
+    [
+        (1e9, LIMITS.max_step_time_s),
+        (math.inf, LIMITS.max_step_time_s),
+        (-0.5, 0.0),
+        (math.nan, 0.0),
+        (0.25, 0.25),
+    ],
+)
+def test_an_honest_learners_odd_report_is_brought_into_range(step_time_s: float, sent: float) -> None:
+    """A learner suspended for longer than a day, or a user's step returning an absurd token count,
+    must not cost it its session: what it sends decodes, at the nearest value in range."""
+    report = StepReport.within(2**41, 2**41, step_time_s, LIMITS)
+    decoded = decode_body(FrameType.STEP_REPORT, body(report), LIMITS)
+    assert decoded == StepReport(LIMITS.max_reported_steps, LIMITS.max_step_tokens, sent)
 
 
 def test_text_bounds_count_bytes_not_characters() -> None:

@@ -58,6 +58,9 @@ def render_syncer_metrics(status: dict[str, Any]) -> str:
     for reason, count in status["rejected_by_reason"].items():
         rejected.labels(reason=reason).inc(count)
     registry.counter("dilocod_checkpoints_total", "Checkpoints written.").inc(status["checkpoints_written"])
+    registry.gauge(
+        "dilocod_checkpoints_failed", "Checkpoints failed in a row since the last one written."
+    ).set(status["checkpoints_failed"])
     registry.counter(
         "dilocod_session_handler_errors_total", "Sessions whose handler failed by a bug (logged)."
     ).inc(status["handler_errors"])

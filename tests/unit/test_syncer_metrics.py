@@ -23,6 +23,7 @@ def _status(**changes: Any) -> dict[str, Any]:
         "bytes_out": 0,
         "rejected_by_reason": {},
         "checkpoints_written": 1,
+        "checkpoints_failed": 0,
         "handler_errors": 0,
         "loop_lag_ms": {"p50": 0.1, "p99": 0.5, "max": 1.0},
     }
@@ -33,3 +34,10 @@ def test_handler_errors_are_a_counter() -> None:
     text = render_syncer_metrics(_status(handler_errors=2))
     assert "# TYPE dilocod_session_handler_errors_total counter" in text
     assert re.search(r"^dilocod_session_handler_errors_total 2$", text, re.MULTILINE)
+
+
+def test_failing_checkpoints_are_a_gauge_an_alert_can_watch() -> None:
+    """A full disk is survived (the syncer merges on), so nothing else would show it to an operator."""
+    text = render_syncer_metrics(_status(checkpoints_failed=3))
+    assert "# TYPE dilocod_checkpoints_failed gauge" in text
+    assert re.search(r"^dilocod_checkpoints_failed 3$", text, re.MULTILINE)

@@ -57,6 +57,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self._started = loop.time()
         self._backlog: list[Event] = []
+        # Reading paused from the handshake until attach() (see _dispatch).
+        self._held = False
         # Answers to the peer's own frames still in the write buffer: (stream offset where each
         # ends, its size), and their total (reply()).
         self._replies: deque[tuple[int, int]] = deque()
@@ -134,6 +136,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.flush()
         if self.closed.done():
             on_lost(self, self.error)
+        elif self._held and self.transport is not None:
+            self._held = False
+            self.transport.resume_reading()
 
     @property
     def is_open(self) -> bool:
@@ -205,6 +210,12 @@ class FrameProtocol(asyncio.BufferedProtocol):
         for event in events:
             if isinstance(event, HandshakeCompleted) and not self.handshake.done():
                 self.handshake.set_result(event)
+                if self.on_event is None and self.transport is not None:
+                    # Nothing more is read until a session attaches this connection: what follows
+                    # the handshake (a chunk) needs the session's sink to be received under its
+                    # bounds, and the session is made by a callback that may run after the next read.
+                    self.transport.pause_reading()
+                    self._held = True
             elif isinstance(event, PeerWentAway) and not self.handshake.done() and self.error is None:
                 # The peer refused the handshake with an ERROR frame: keep its code, so the dialer
                 # reports AUTH_FAILED (or whatever it was) rather than a bare closed connection.

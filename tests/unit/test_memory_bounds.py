@@ -114,6 +114,7 @@ class _Transport(asyncio.Transport):
         self.written = bytearray()
         self.unsent = 0
         self.closing = False
+        self.reading = True
         self.protocol: FrameProtocol | None = None
 
     def writelines(self, data: Any) -> None:
@@ -148,10 +149,10 @@ class _Transport(asyncio.Transport):
         self.close()
 
     def pause_reading(self) -> None:
-        pass
+        self.reading = False
 
     def resume_reading(self) -> None:
-        pass
+        self.reading = True
 
 
 def _feed(proto: FrameProtocol, data: bytes) -> None:
@@ -247,6 +248,23 @@ def test_ping_and_pong_never_reach_the_application() -> None:
             _feed(proto, b"".join(bytes(b) for b in client.data_to_send()))
             async with asyncio.timeout(10.0):
                 assert isinstance(await session.recv(), StatusRequest)
+            await session.close()
+
+    asyncio.run(main())
+
+
+def test_nothing_is_read_between_the_handshake_and_the_session() -> None:
+    """The session that bounds what a connection may hold (its chunk sink: early chunks, fresh
+    buffers) is made by a callback of the handshake, which an event loop may run after the next
+    read: until it attaches, the connection reads nothing, so no frame slips past its bounds."""
+
+    async def main() -> None:
+        _, proto, transport, peer = _open(TransportOptions())
+        assert not transport.reading
+        with ThreadPoolExecutor(1) as executor:
+            role, options, limits = Role.SERVER, TransportOptions(), DEFAULT_LIMITS
+            session = Session(proto, peer, role=role, options=options, limits=limits, executor=executor)
+            assert transport.reading and proto.conn.chunk_sink is not None
             await session.close()
 
     asyncio.run(main())

@@ -552,8 +552,19 @@ class SyncerService:
                 push.fragment, data, history, self.config.max_norm_ratio, self.config.max_fragment_ratio
             )
 
-        verdict: Verdict = await asyncio.get_running_loop().run_in_executor(self._screener, work)
         key = (push.learner, push.round_index)
+        try:
+            verdict: Verdict = await asyncio.get_running_loop().run_in_executor(self._screener, work)
+        except Exception as exc:
+            # Whatever a push holds, it must not leave its buffer held and its round waiting for
+            # it: a push that cannot be screened is a push that failed.
+            log.error("push not screened", learner=push.learner, round=push.round_index, error=repr(exc))
+            held = self._push_buffers.pop(key, None)
+            for unused in (held[1] if held is not None else None, target):
+                if unused is not None:
+                    self._give_back(unused)
+            self._apply(self.rounds.push_failed(push, self.clock()))
+            return
         if target is not None and self._push_buffers.get(key, (None, None))[1] is buffer:
             self._push_buffers[key] = (push, target)
             self._give_back(buffer)

@@ -287,3 +287,50 @@ def test_the_service_counts_a_rejected_merge_and_publishes_nothing() -> None:
     assert rounds.rejected[NON_FINITE_RESULT] == 1 and rounds.rounds_abandoned == 1
     assert _state(model, 0) == before and model.acquire(0).version == 0
     assert service.status()["rejected_by_reason"] == {NON_FINITE_RESULT: 1}
+
+
+def test_a_push_that_cannot_be_screened_fails_and_frees_its_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Screening raising (a bug, or bytes no decoder expected) used to end in an "internal error"
+    that kept the push's buffer held for good and its round waiting: now the push failed, its
+    buffer goes back to the pool, and its round stops waiting for it."""
+    module = torch.nn.Linear(4, 2)
+    specs = model_entries(module)
+    model = GlobalModel(
+        plan_fragments([(s.name, s.shape) for s in specs], 1), specs, chunk_bytes=CHUNK, embedding_pattern="-"
+    )
+    rounds = Rounds(RoundConfig(fragments=1, sync_every=1))
+    service = SyncerService(
+        SyncerConfig(),
+        model,
+        rounds,
+        state_dir=None,
+        incarnation="test",
+        secret=None,
+        meta={},
+        clock=lambda: 0.0,
+    )  # type: ignore[arg-type]
+    model.publish_all()
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ValueError("no decoder expected these bytes")
+
+    monkeypatch.setattr(model, "screen", broken)
+    try:
+        rounds.join("a", 0.0)
+        (request,) = [a for a in rounds.step("a", 1, 1.0, 0.0) if isinstance(a, Request)]
+        push = Push("a", request.round_index, 0, request.version, 4, 400)
+        assert rounds.admit(push, 0.0) is None
+        buffer = _push(model, 0, 0.5)
+        service._push_buffers[("a", request.round_index)] = (push, memoryview(buffer))
+        with capture_logs() as logs:
+            asyncio.run(service._screen(push, memoryview(buffer), "fp32"))
+    finally:
+        service._executor.shutdown()
+        service._screener.shutdown()
+    assert [entry["error"] for entry in logs if entry["event"] == "push not screened"] == [
+        "ValueError('no decoder expected these bytes')"
+    ]
+    assert service._push_buffers == {}
+    assert buffer in service._pool[len(buffer)]
+    # Its only learner's push failed: the round waits for nobody and ends without a merge.
+    assert request.round_index not in rounds._open and rounds.rounds_abandoned == 1

@@ -32,7 +32,8 @@ from dilocod.wire.frames import (
     encode_header,
 )
 from dilocod.wire.limits import DEFAULT_LIMITS, MiB, chunk_payload_bound
-from dilocod.wire.messages import Hello, Ping, Pong, StatusRequest
+from dilocod.wire.manifest import pack_manifest
+from dilocod.wire.messages import Hello, Ping, Pong, PushHeader, StatusRequest, StreamReset
 from dilocod.wire.states import Role, State
 
 Shuttle = Callable[[Connection, Connection], list[Event]]
@@ -265,6 +266,36 @@ def test_nothing_is_read_between_the_handshake_and_the_session() -> None:
             role, options, limits = Role.SERVER, TransportOptions(), DEFAULT_LIMITS
             session = Session(proto, peer, role=role, options=options, limits=limits, executor=executor)
             assert transport.reading and proto.conn.chunk_sink is not None
+            await session.close()
+
+    asyncio.run(main())
+
+
+def test_refused_pushes_whose_resets_are_unread_are_cut_off() -> None:
+    """A peer that opens push after push the server refuses (not joined) and never reads the
+    STREAM_RESETs: those answers are bounded like PONGs."""
+
+    def refuse(header: object) -> memoryview:
+        raise RemoteProtocolError(ErrorCode.NOT_JOINED, "a push before the learner has joined")
+
+    async def main() -> None:
+        options = TransportOptions()
+        client, proto, transport, peer = _open(options)
+        entries, raw = pack_manifest([("w", "float32", [16])])
+        header = PushHeader(tuple(entries), raw, "none", 4096, fragment=0, round=0, base_version=0)
+        with ThreadPoolExecutor(1) as executor:
+            role, limits = Role.SERVER, DEFAULT_LIMITS
+            session = Session(proto, peer, role=role, options=options, limits=limits, executor=executor)
+            session.set_allocator(refuse, max_early_bytes=0)
+            for transfer_id in range(1, 2 * 20_000, 2):
+                client.send(header, transfer_id)
+            _feed(proto, b"".join(bytes(b) for b in client.data_to_send()))
+            assert proto.conn.state is State.CLOSED and transport.closing
+            assert len(transport.written) < options.max_reply_backlog_bytes + 4096
+            *resets, error = _frames(bytes(transport.written))
+            assert resets
+            assert all(isinstance(e, MessageReceived) and isinstance(e.message, StreamReset) for e in resets)
+            assert isinstance(error, PeerWentAway) and error.error_code == ErrorCode.LIMIT_EXCEEDED
             await session.close()
 
     asyncio.run(main())

@@ -73,9 +73,13 @@ ChunkSink = Callable[[int, ChunkHeader, int], memoryview | None]
 #: Raises RemoteProtocolError to refuse the connection: the client gets ERROR instead of WELCOME.
 Admit = Callable[[Hello], None]
 #: A frame body or chunk payload that gets a fresh buffer (not a slice the chunk sink lent) is
-#: first given this many bytes, and the buffer doubles as they fill: a peer that declares a large
-#: frame and sends it slowly holds what it sent, not what it declared.
+#: first given this many bytes, and the buffer grows GROWTH times each time it fills: a peer that
+#: declares a large frame and sends it slowly holds at most GROWTH times what it sent, never what it
+#: declared. 4, not 2: a 1 MiB compressed chunk then costs two more allocations and a third of its
+#: bytes copied again, not four and nearly all: 0.17 ms against 1.2 ms a chunk (0.10 ms when
+#: allocated whole), where a 5 Gbit/s link brings one every 1.7 ms (bench/notes/receive-buffers.md).
 FIRST_PIECE_BYTES = 64 * KiB
+GROWTH = 4
 
 
 def _clip(text: str) -> str:
@@ -285,12 +289,13 @@ class Connection:
 
     def _expect_fresh(self, phase: _Phase, nbytes: int) -> None:
         """Receive nbytes into a buffer of our own that grows as they arrive: FIRST_PIECE_BYTES,
-        then doubling each time it fills, so it never holds more than twice what has arrived."""
+        then GROWTH times larger each time it fills, so it never holds more than GROWTH times what
+        has arrived (or FIRST_PIECE_BYTES)."""
         self._expect(phase, memoryview(bytearray(min(nbytes, FIRST_PIECE_BYTES))))
         self._declared = nbytes
 
     def _grow(self) -> None:
-        grown = bytearray(min(self._declared, 2 * len(self._target)))
+        grown = bytearray(min(self._declared, GROWTH * len(self._target)))
         grown[: self._filled] = self._target
         self._target = memoryview(grown)
 

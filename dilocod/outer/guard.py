@@ -21,8 +21,9 @@ training) is re-learned once it holds half the window, while a one-off outlier i
 accepted norms, a lasting jump above the ratio rejected every later push of the fragment until the
 syncer restarted. What one learner can do to the median: while more than half of the window's
 samples are other learners', neither median leaves the range of theirs (rank statistics), so a
-lone rogue among several honest learners never teaches the guard its scale; it is judged by the
-honest scale, up to max_norm_ratio · STEP_SPAN times its per-push norm, and within the backstop.
+lone rogue among several honest learners never teaches the guard its scale: its pushes pass only
+up to max_norm_ratio · STEP_SPAN · q · S, q and S within the honest samples' range, and under the
+backstop. (A learner joining under several ids counts once per id.)
 
 The answer is a Verdict value for the syncer to log and count, never an exception. A merge is
 checked once more on its result: `l2_norm` of the new parameters and momentum is finite exactly
@@ -58,9 +59,9 @@ DEFAULT_MIN_HISTORY = 3
 #: one learner, a one-off outlier is a quarter of the window and never the median.
 NORM_WINDOW_ROUNDS = 4
 #: A push's steps are counted within this factor of the history's median steps, both ways: honest
-#: outer gradients grow between √s (noise) and s (drift) in their steps s, so every honest push
-#: of up to max_norm_ratio · STEP_SPAN times the median steps stays within the ratio, shorter ones
-#: too; a learner claiming more steps than it trained gains at most this factor.
+#: outer gradients grow between √s (noise) and s (drift) in their steps s, so a push at the others'
+#: norm per step passes with up to max_norm_ratio · STEP_SPAN times the median steps, and with any
+#: fewer; a learner claiming more steps than it trained gains at most this factor.
 STEP_SPAN = 4.0
 #: ‖δ‖ ≤ ratio · max(‖Θ_p‖, FRAGMENT_RMS_FLOOR · √n). Honest outer gradients stay far below: a
 #: charlm learner at 5 times its default lr for 200 inner steps from the initial weights (the largest

@@ -35,6 +35,7 @@ from dilocod.outer import FragmentPlan, embedding_mask, outer_step_
 from dilocod.outer.guard import (
     DEFAULT_MAX_FRAGMENT_RATIO,
     NON_FINITE_RESULT,
+    NormSample,
     Verdict,
     check_outer_gradient,
     l2_norm,
@@ -228,14 +229,18 @@ class GlobalModel:
         self,
         index: int,
         buffer: bytearray | memoryview,
-        history: Sequence[float],
+        history: Sequence[NormSample],
         max_norm_ratio: float,
         max_fragment_ratio: float = DEFAULT_MAX_FRAGMENT_RATIO,
+        *,
+        steps: int,
     ) -> Verdict:
-        """Screen a push of fragment index against ‖Θ_p‖ at its latest merge and the history."""
+        """Screen a push of fragment index, carrying `steps` inner steps, against ‖Θ_p‖ at its
+        latest merge and the fragment's norm history."""
         return check_outer_gradient(
             self.deltas(index, buffer),
             history,
+            steps=steps,
             fragment_norm=self.fragments[index].norm,
             max_fragment_ratio=max_fragment_ratio,
             max_norm_ratio=max_norm_ratio,

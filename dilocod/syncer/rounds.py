@@ -13,10 +13,17 @@ nothing here re-implements.
 Push life cycle. A push header is admitted or refused at once (NOT_REQUESTED, STALE_VERSION:
 refusing before the bytes arrive saves the link). Once the whole fragment has arrived and the
 service has screened it (outer.check_outer_gradient against that fragment's `norm_history`; norms of
-fragments of different sizes are not comparable), `push_complete`
-records it. A push that completes after its round started merging is late: it is carried into the
-next round of the same fragment, with its weight, unless by then its base version is more than
-`staleness` versions behind.
+fragments of different sizes are not comparable), `push_complete` records it and feeds its norm to
+that history, whatever the verdict. A push that completes after its round started merging is late:
+it is carried into the next round of the same fragment, with its weight, unless by then its base
+version is more than `staleness` versions behind.
+
+Sync time. A round's ξ_sync sample runs from the moment it starts merging until every learner it
+asked that is still live holds the merged version: acknowledged it (or a newer one), or had its
+update given up, or left (`update_done`, `leave`). Every, not the first: the grace window budgets
+the time until the merged fragment is back where it is applied, and the last learner to get it
+applies it last. A slow reader can only make ξ_sync larger, which shortens grace windows (rounds
+merge sooner, never later); its update's own deadlines end the sample.
 
 Who a round waits for: the learners it asked that are live and have not answered, minus those
 whose push was screened out, refused as stale or failed in transit (a learner does not push a round
@@ -37,16 +44,14 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import Counter, OrderedDict, defaultdict, deque
+from collections import Counter, OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from enum import Enum
 
 from dilocod.outer import open_rounds, quorum_clock
-from dilocod.outer.guard import Verdict
+from dilocod.outer.guard import NormHistory, Verdict
 from dilocod.outer.weights import bounded_merge_weights
 
-#: How many accepted outer-gradient norms the guard compares a new one against.
-NORM_HISTORY = 64
 #: Ended rounds remembered (to admit late pushes), in units of the fragment count.
 CLOSED_ROUNDS_PER_FRAGMENT = 2
 #: The shortest time a round waits for learners that have not answered (see Rounds._expires_at).
@@ -204,6 +209,17 @@ class LearnerRecord:
 
 
 @dataclass(slots=True)
+class _SendBack:
+    """A merged round whose fragment is on its way back to the learners it asked (ξ_sync)."""
+
+    fragment: int
+    version: int
+    merge_started_at: float
+    #: Learners asked in the round, live at the merge, that do not hold `version` yet.
+    waiting: set[str]
+
+
+@dataclass(slots=True)
 class _Round:
     index: int
     fragment: int
@@ -238,8 +254,8 @@ class Rounds:
         self.clock = 0
         self.next_round = next_round
         self.learners: dict[str, LearnerRecord] = {}
-        #: Accepted outer-gradient norms, per fragment.
-        self.norm_history: defaultdict[int, deque[float]] = defaultdict(lambda: deque(maxlen=NORM_HISTORY))
+        #: The norms of the pushes screened recently, per fragment (what the guard compares against).
+        self.norm_history: defaultdict[int, NormHistory] = defaultdict(NormHistory)
         self.rounds_merged = 0
         self.rounds_abandoned = 0
         self.quorum_sizes: Counter[int] = Counter()
@@ -251,6 +267,8 @@ class Rounds:
         self._carried: dict[int, dict[str, Push]] = {}  # by fragment: late pushes, by learner
         self._quorum_time = _Ema(config.ema_alpha)
         self._sync_time = _Ema(config.ema_alpha)
+        #: Merged rounds whose update has not reached every learner they asked, by round index.
+        self._sending: OrderedDict[int, _SendBack] = OrderedDict()
 
     # ------------------------------------------------------------------ roster
 
@@ -286,6 +304,9 @@ class Rounds:
             rnd.requested.discard(learner)
             if learner not in rnd.pushes:
                 rnd.admitted.discard(learner)
+        for sending in self._sending.values():
+            sending.waiting.discard(learner)  # nothing more reaches it: it no longer holds a sync up
+        self._settle_send_backs(now)
         return self.tick(now)
 
     def step(
@@ -380,16 +401,16 @@ class Rounds:
         """The whole push arrived and was screened. Accepted ones join their round, or the next
         round of their fragment when theirs is already merging."""
         rnd = self._open.get(push.round_index)
+        # Every screened push teaches the guard the scale, rejected ones too: fed only accepted
+        # norms, a lasting jump in scale above the ratio (a warm-up) rejected every later push of
+        # the fragment until a restart (38 honest pushes in 3 s). The history keeps one sample per
+        # learner and round and leaves out empty pushes (outer/guard.py says what a rogue can do).
+        self.norm_history[push.fragment].record(push.round_index, push.learner, verdict.norm, push.c_steps)
         if not verdict.accepted:
             self.rejected[verdict.reason] += 1
             if rnd is not None:
                 rnd.refused.add(push.learner)
             return [self._release(push, verdict.reason), *self.tick(now)]
-        if push.c_steps > 0 and verdict.norm > 0.0:
-            # An empty push (no steps since its anchor, δ = 0) says nothing about the scale of real
-            # outer gradients; counted, enough of them pull the median to zero and the guard then
-            # refuses every real push of the fragment for good.
-            self.norm_history[push.fragment].append(verdict.norm)
         if rnd is not None and rnd.state is RoundState.OPEN:
             rnd.pushes[push.learner] = push
         else:
@@ -452,15 +473,38 @@ class Rounds:
         return min(deadlines, default=None)
 
     def merged(self, round_index: int, now: float) -> int:
-        """The service finished a Merge: the fragment's new version."""
+        """The service finished a Merge: the fragment's new version. The round's sync time runs on
+        until every learner it asked holds that version (update_done)."""
         rnd = self._open.get(round_index)
         if rnd is None or rnd.state is not RoundState.MERGING or rnd.merge_started_at is None:
             raise RuntimeError(f"round {round_index} was not merging")
-        self._sync_time.add(now - rnd.merge_started_at)
         self._close(rnd, RoundState.MERGED)
         self.versions[rnd.fragment] += 1
         self.rounds_merged += 1
-        return self.versions[rnd.fragment]
+        version = self.versions[rnd.fragment]
+        waiting = {learner for learner in rnd.requested if (r := self.learners.get(learner)) and r.live}
+        self._sending[rnd.index] = _SendBack(rnd.fragment, version, rnd.merge_started_at, waiting)
+        while len(self._sending) > CLOSED_ROUNDS_PER_FRAGMENT * self.config.fragments:
+            # Still not back after two cycles: what is known is that it took at least this long.
+            _, oldest = self._sending.popitem(last=False)
+            self._sync_time.add(now - oldest.merge_started_at)
+        self._settle_send_backs(now)  # nobody to send to: the merge alone was the sync
+        return version
+
+    def update_done(self, learner: str, fragment: int, version: int, now: float) -> None:
+        """The service is done sending `version` of `fragment` to `learner`: the learner
+        acknowledged it (or already held it), or the update was given up after its retries. It
+        answers for every merged round of that fragment up to that version."""
+        for sending in self._sending.values():
+            if sending.fragment == fragment and sending.version <= version:
+                sending.waiting.discard(learner)
+        self._settle_send_backs(now)
+
+    @property
+    def sync_time_s(self) -> float | None:
+        """ξ_sync: the running mean time from a merge's start until its fragment is back at every
+        learner its round asked (None before the first)."""
+        return self._sync_time.value
 
     def merge_failed(self, round_index: int, now: float) -> None:
         """The service could not merge (its own error): the round is dropped, the version kept."""
@@ -516,6 +560,14 @@ class Rounds:
         if not times:
             return None
         return rnd.opened_at + max(self.config.sync_every * statistics.median_high(times), MIN_WAIT_S)
+
+    def _settle_send_backs(self, now: float) -> None:
+        """A merged round whose every awaited learner holds its version gives its sync time sample:
+        from its merge's start to now."""
+        for index, sending in list(self._sending.items()):
+            if not sending.waiting:
+                del self._sending[index]
+                self._sync_time.add(now - sending.merge_started_at)
 
     def _release(self, push: Push, reason: str) -> Release:
         self._count_wasted(push)

@@ -533,7 +533,7 @@ class SyncerService:
         self._spawn(self._screen(held[0], held[1], precision), f"screen {peer.learner}")
 
     async def _screen(self, push: Push, buffer: memoryview, precision: str) -> None:
-        history = list(self.rounds.norm_history[push.fragment])
+        history = self.rounds.norm_history[push.fragment].samples()
         target = None
         if precision != "fp32":
             # Lossy pushes are decoded to float32 once, in the worker; the merge sees float32 only.
@@ -549,7 +549,12 @@ class SyncerService:
                 decode(buffer, shapes, precision, self.model.deltas(push.fragment, target))
                 data = target
             return self.model.screen(
-                push.fragment, data, history, self.config.max_norm_ratio, self.config.max_fragment_ratio
+                push.fragment,
+                data,
+                history,
+                self.config.max_norm_ratio,
+                self.config.max_fragment_ratio,
+                steps=push.c_steps,
             )
 
         key = (push.learner, push.round_index)
@@ -577,6 +582,7 @@ class SyncerService:
                 reason=verdict.reason,
                 norm=verdict.norm,
                 limit=verdict.limit,
+                steps=push.c_steps,
             )
         self._apply(self.rounds.push_complete(push, verdict, self.clock()))
 
@@ -680,6 +686,7 @@ class SyncerService:
             return
         finally:
             self._merge_started.pop(merge.round_index, None)
+        # The round's sync time (ξ_sync) runs on until its learners hold this version (update_done).
         version = self.rounds.merged(merge.round_index, self.clock())
         self.model.publish(merge.fragment, snapshot)
         for _, buffer in held:
@@ -733,6 +740,7 @@ class SyncerService:
             snapshot = self.model.acquire(index)
             try:
                 if peer.sent.get(index) == snapshot.version:
+                    self.rounds.update_done(peer.learner, index, snapshot.version, self.clock())
                     continue
                 header = UpdateHeader(
                     store.manifest,
@@ -746,11 +754,15 @@ class SyncerService:
                 peer.sent[index] = snapshot.version
                 self.bytes_out += store.raw_bytes
                 failures.pop(index, None)
+                # Acknowledged: the end of this learner's part of the round's sync time (ξ_sync).
+                self.rounds.update_done(peer.learner, index, snapshot.version, self.clock())
             except TransferFailed as exc:
                 failures[index] += 1
                 log.warning("update failed", learner=peer.learner, fragment=index, error=str(exc))
                 if failures[index] < UPDATE_ATTEMPTS:
                     peer.pending.setdefault(index, None)
+                else:  # given up until the next version: the round no longer waits on this send
+                    self.rounds.update_done(peer.learner, index, snapshot.version, self.clock())
             finally:
                 self.model.release(index, snapshot)
 

@@ -153,7 +153,7 @@ def test_one_push_of_huge_finite_values_is_refused_by_a_fresh_fragment() -> None
     model.publish_all()
     before = _state(model, 0)
     push = _push(model, 0, 3e38)
-    verdict = model.screen(0, push, history=[], max_norm_ratio=10.0)
+    verdict = model.screen(0, push, history=[], max_norm_ratio=10.0, steps=1)
     assert (verdict.accepted, verdict.reason) == (False, FRAGMENT_NORM_TOO_LARGE)
     assert math.isfinite(verdict.norm) and verdict.limit is not None and verdict.norm > verdict.limit
     assert _state(model, 0) == before and _finite(model, 0)
@@ -192,7 +192,7 @@ def test_a_merge_whose_result_is_not_finite_is_not_committed(published: bool) ->
         model.publish_all()
     before = _state(model, index)
     push = _push(model, index, -3e38)
-    assert model.screen(index, push, history=[], max_norm_ratio=10.0).accepted
+    assert model.screen(index, push, history=[], max_norm_ratio=10.0, steps=1).accepted
     target = model.spare_buffer(index)
     with pytest.raises(MergeRejected, match=r"fragment 1: .*non-finite.* version 0") as raised:
         model.merge(index, [push], [1.0], lr=0.7, mu=0.9, merge="rda", target=target, version=1)
@@ -274,7 +274,7 @@ def test_the_service_counts_a_rejected_merge_and_publishes_nothing() -> None:
         push = Push("a", request.round_index, 0, request.version, 4, 400)
         assert rounds.admit(push, 0.0) is None
         buffer = _push(model, 0, -3e38)
-        verdict = model.screen(0, buffer, [], max_norm_ratio=10.0)
+        verdict = model.screen(0, buffer, [], max_norm_ratio=10.0, steps=1)
         assert verdict.accepted
         (merge,) = [a for a in rounds.push_complete(push, verdict, 0.0) if isinstance(a, Merge)]
         service._push_buffers[("a", request.round_index)] = (push, memoryview(buffer))

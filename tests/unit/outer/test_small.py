@@ -17,6 +17,7 @@ from dilocod.outer.guard import (
     FRAGMENT_RMS_FLOOR,
     NON_FINITE,
     NORM_TOO_LARGE,
+    NormSample,
     fragment_limit,
     l2_norm,
 )
@@ -130,35 +131,40 @@ def test_apply_rejects_bad_arguments(mode: str, kwargs: dict[str, object]) -> No
 # --- check_outer_gradient -----------------------------------------------------------------------
 
 
+def norms(*values: float) -> list[NormSample]:
+    """A history of one-step pushes with these norms (so norms and norms per step agree)."""
+    return [NormSample(v, 1) for v in values]
+
+
 def test_guard_accepts_plausible_and_rejects_large_or_non_finite() -> None:
     delta = [torch.full((4,), 0.5), torch.full((3, 4), 0.5)]  # norm sqrt(16 * 0.25) = 2
-    history = [1.0, 1.5, 0.9, 3.0]  # median 1.25
-    verdict = check_outer_gradient(delta, history, fragment_norm=None)
+    history = norms(1.0, 1.5, 0.9, 3.0)  # median 1.25
+    verdict = check_outer_gradient(delta, history, steps=1, fragment_norm=None)
     assert (verdict.accepted, verdict.reason) == (True, ACCEPTED)
     assert verdict.norm == pytest.approx(2.0)
     assert verdict.limit == pytest.approx(12.5)
 
     big = [t * 10 for t in delta]  # norm 20 > 10 x 1.25
-    verdict = check_outer_gradient(big, history, fragment_norm=None)
+    verdict = check_outer_gradient(big, history, steps=1, fragment_norm=None)
     assert (verdict.accepted, verdict.reason) == (False, NORM_TOO_LARGE)
-    assert check_outer_gradient(big, history, fragment_norm=None, max_norm_ratio=20.0).accepted
+    assert check_outer_gradient(big, history, steps=1, fragment_norm=None, max_norm_ratio=20.0).accepted
 
     for bad in (math.nan, math.inf, -math.inf):
         poisoned = [delta[0].clone(), delta[1].clone()]
         poisoned[1][2, 3] = bad
-        verdict = check_outer_gradient(poisoned, history, fragment_norm=None)
+        verdict = check_outer_gradient(poisoned, history, steps=1, fragment_norm=None)
         assert (verdict.accepted, verdict.reason) == (False, NON_FINITE)
 
 
 def test_guard_without_enough_history_or_fragment_norm_only_checks_finiteness() -> None:
     huge = [torch.full((10,), 1e30)]  # squares overflow float32; the norm is still finite
-    verdict = check_outer_gradient(huge, [1.0, 1.0], fragment_norm=None)
+    verdict = check_outer_gradient(huge, norms(1.0, 1.0), steps=1, fragment_norm=None)
     assert verdict.accepted and verdict.limit is None
     assert verdict.norm == pytest.approx(math.sqrt(10) * 1e30)
-    assert not check_outer_gradient(huge, [1.0, 1.0, 1.0], fragment_norm=None).accepted
+    assert not check_outer_gradient(huge, norms(1.0, 1.0, 1.0), steps=1, fragment_norm=None).accepted
     assert check_outer_gradient(
-        huge, [0.0, 0.0, 0.0], fragment_norm=None
-    ).accepted  # a zero median gives no scale
+        huge, norms(0.0, 0.0, 0.0), steps=1, fragment_norm=None
+    ).accepted  # zero norms are not samples: no scale yet
 
 
 def test_guard_bounds_the_very_first_push_by_its_fragment() -> None:
@@ -166,7 +172,7 @@ def test_guard_bounds_the_very_first_push_by_its_fragment() -> None:
     before any norm is in the history. Its norm is finite (in float64) and far above the fragment's."""
     huge = [torch.full((128, 128), 3e38)]
     fragment_norm = 128 * 0.02  # 16,384 values of RMS 0.02
-    verdict = check_outer_gradient(huge, [], fragment_norm=fragment_norm)
+    verdict = check_outer_gradient(huge, [], steps=1, fragment_norm=fragment_norm)
     assert (verdict.accepted, verdict.reason) == (False, FRAGMENT_NORM_TOO_LARGE)
     assert verdict.norm == pytest.approx(128 * 3e38)
     # The floor (RMS 1 per value) is the scale here: the fragment's own norm is below it.
@@ -176,32 +182,36 @@ def test_guard_bounds_the_very_first_push_by_its_fragment() -> None:
 def test_guard_fragment_limit_is_the_fragment_norm_or_the_floor() -> None:
     delta = [torch.full((4,), 1.0), torch.full((3, 4), 1.0)]  # 16 values, norm 4
     # A large fragment: its own norm is the scale.
-    assert check_outer_gradient(delta, [], fragment_norm=0.4, max_fragment_ratio=10.0).accepted
-    verdict = check_outer_gradient(delta, [], fragment_norm=100.0, max_fragment_ratio=0.03)
+    assert check_outer_gradient(delta, [], steps=1, fragment_norm=0.4, max_fragment_ratio=10.0).accepted
+    verdict = check_outer_gradient(delta, [], steps=1, fragment_norm=100.0, max_fragment_ratio=0.03)
     assert (verdict.reason, verdict.limit) == (FRAGMENT_NORM_TOO_LARGE, pytest.approx(3.0))
     # A fragment of zeros (or with a norm that gives no scale) still accepts updates up to the floor.
     for no_scale in (0.0, math.inf, math.nan):
         assert fragment_limit(no_scale, 16, 10.0) == pytest.approx(10.0 * FRAGMENT_RMS_FLOOR * 4)
-        assert check_outer_gradient(delta, [], fragment_norm=no_scale, max_fragment_ratio=1.0).accepted
-        verdict = check_outer_gradient(delta, [], fragment_norm=no_scale, max_fragment_ratio=0.5)
+        assert check_outer_gradient(
+            delta, [], steps=1, fragment_norm=no_scale, max_fragment_ratio=1.0
+        ).accepted
+        verdict = check_outer_gradient(delta, [], steps=1, fragment_norm=no_scale, max_fragment_ratio=0.5)
         assert (verdict.accepted, verdict.reason) == (False, FRAGMENT_NORM_TOO_LARGE)
 
 
 def test_guard_applies_both_bounds_and_reports_the_tighter() -> None:
     delta = [torch.full((16,), 0.5)]  # norm 2
-    history = [1.0, 1.0, 1.0]  # median limit 10
-    verdict = check_outer_gradient(delta, history, fragment_norm=1.0)  # fragment limit 10 x max(1, 4)
+    history = norms(1.0, 1.0, 1.0)  # median limit 10
+    verdict = check_outer_gradient(
+        delta, history, steps=1, fragment_norm=1.0
+    )  # fragment limit 10 x max(1, 4)
     assert verdict.accepted and verdict.limit == pytest.approx(10.0)
-    verdict = check_outer_gradient(delta, [0.1, 0.1, 0.1], fragment_norm=1.0)
+    verdict = check_outer_gradient(delta, norms(0.1, 0.1, 0.1), steps=1, fragment_norm=1.0)
     assert (verdict.reason, verdict.limit) == (NORM_TOO_LARGE, pytest.approx(1.0))
-    assert check_outer_gradient(delta, history, fragment_norm=None).limit == pytest.approx(10.0)
-    assert check_outer_gradient(delta, [], fragment_norm=None).limit is None
+    assert check_outer_gradient(delta, history, steps=1, fragment_norm=None).limit == pytest.approx(10.0)
+    assert check_outer_gradient(delta, [], steps=1, fragment_norm=None).limit is None
 
 
 @pytest.mark.parametrize("ratio", [0.0, -1.0, math.inf, math.nan])
 def test_guard_refuses_a_meaningless_fragment_ratio(ratio: float) -> None:
     with pytest.raises(ValueError, match="max_fragment_ratio"):
-        check_outer_gradient([torch.ones(2)], [], fragment_norm=1.0, max_fragment_ratio=ratio)
+        check_outer_gradient([torch.ones(2)], [], steps=1, fragment_norm=1.0, max_fragment_ratio=ratio)
 
 
 @settings(max_examples=200, deadline=None)

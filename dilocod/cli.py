@@ -523,7 +523,10 @@ def status(
     help="Seconds a learner that left stays in the status and the checkpoint.  [default: 259200, 3 days]",
 )
 @click.option("--staleness", help="Versions a late push may trail and still be merged.  [default: 1]")
-@click.option("--max-norm-ratio", help="Reject outer gradients above this x the median norm.  [default: 10]")
+@click.option(
+    "--max-norm-ratio",
+    help="Reject outer gradients above this x the recent median norm per step x their steps.  [default: 10]",
+)
 @click.option(
     "--max-fragment-ratio",
     help="Reject outer gradients above this x their fragment's norm, taken as at least 1 per value (RMS).  "

@@ -23,6 +23,7 @@ from dilocod.syncer.rounds import (
     RoundConfig,
     Rounds,
 )
+from dilocod.wire.messages import QUORUM_ALL
 
 OK = Verdict(True, ACCEPTED, 1.0, None)
 BAD = Verdict(False, NON_FINITE, math.nan, None)
@@ -57,7 +58,8 @@ def first_round(rounds: Rounds, now: float = 0.0, step_time_s: float = 1.0) -> R
 
 def test_config_is_checked() -> None:
     with pytest.raises(ValueError, match="quorum"):
-        RoundConfig(quorum=0)
+        RoundConfig(quorum=-1)
+    assert RoundConfig(quorum=QUORUM_ALL).lockstep and not RoundConfig(quorum=1).lockstep
     with pytest.raises(ValueError, match="grace_factor"):
         RoundConfig(grace_factor=math.inf)
     with pytest.raises(ValueError, match="versions"):

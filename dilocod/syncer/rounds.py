@@ -640,8 +640,10 @@ class Rounds:
             expires_at = self._expires_at(rnd)
             # Once past, the moment leaves next_deadline: a round below quorum stays open after it
             # (K > 1 with fewer learners live), and the ticker must not spin on a past deadline.
+            # Lock-step learners step on while a push is in flight (tau >= 1, up to H): the clock
+            # moving on says nothing there, only the time does.
             rnd.waited_out = (expires_at is not None and now >= expires_at) or (
-                self.clock >= rnd.opened_clock + self.config.sync_every
+                not self.config.lockstep and self.clock >= rnd.opened_clock + self.config.sync_every
             )
         waiting = set() if rnd.waited_out else rnd.requested - set(rnd.pushes) - rnd.refused - rnd.passed
         if self.config.lockstep and waiting:

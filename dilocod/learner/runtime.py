@@ -342,16 +342,20 @@ class TrainingLoop:
         self._take()
         cadence = self.cadence
         if cadence is not None and not cadence.lockstep:
-            # A request for the version this learner holds that comes with a newer version of
-            # its fragment (its round merged before the request reached this boundary) is
-            # answered first: its push then holds every step since its last send, and the syncer
-            # merges it into the fragment's next round. Answered after an overwrite, its outer
-            # gradient would be all zeros for all the steps it reports.
+            # Decoupled, a request for the version this learner holds may reach the boundary with
+            # the next version of its fragment (its round merged without this push). Where that
+            # version would overwrite the fragment, the request is answered first: its push
+            # holds the steps the overwrite drops, and the syncer merges it into the fragment's
+            # next round. Only where δ against the held anchor is exactly what the counters count
+            # (no push of the fragment in flight); mix and keep-local apply first and keep them.
             for request in sorted(self.requests.values(), key=lambda r: r.round):
                 held = self.held.get(request.fragment)
                 if (
                     held is not None
+                    and not held.heal
                     and request.version == self.versions.get(request.fragment)
+                    and request.fragment not in self.in_flight
+                    and self._mode(request.fragment, heal=False) == "overwrite"
                     and cadence.answer_now(request.round, self.step_index)
                 ):
                     self._answer(request)
@@ -516,12 +520,8 @@ class TrainingLoop:
                 self.apply_late[adopt.fragment] = late
         layout = self.layouts[adopt.fragment]
         new = self.copier.to_device(layout.views(adopt.buffer))
-        mode = "overwrite" if adopt.heal else self.config.apply
-        sent = None
-        if mode == "keep-local":
-            sent = self.sent.get(adopt.fragment)
-            if sent is None:
-                mode = "overwrite"  # nothing was pushed since the last adoption: no steps to keep
+        mode = self._mode(adopt.fragment, heal=adopt.heal)
+        sent = self.sent.get(adopt.fragment) if mode == "keep-local" else None
         apply_update_(list(layout.params), new, mode, alpha=self.config.mix_alpha, sent=sent)
         self.anchors[adopt.fragment] = adopt.buffer
         self.versions[adopt.fragment] = adopt.version
@@ -532,6 +532,13 @@ class TrainingLoop:
             self.sent_at[adopt.fragment] = (self.progress.steps, self.progress.tokens)
         self.sent.pop(adopt.fragment, None)
         self.progress.applied += 1
+
+    def _mode(self, fragment: int, *, heal: bool) -> str:
+        """How a merged fragment is applied: a heal overwrites, and so does keep-local with nothing
+        pushed since the last adoption (no steps to keep)."""
+        if heal or (self.config.apply == "keep-local" and fragment not in self.sent):
+            return "overwrite"
+        return self.config.apply
 
     def counters(self, fragment: int) -> tuple[int, int]:
         """The steps and tokens trained since the fragment was last sent, or overwritten (a heal,

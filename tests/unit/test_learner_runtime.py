@@ -128,7 +128,11 @@ class Rig:
 
     def manifest(self, fragment: int) -> tuple[TensorEntry, ...]:
         shapes = {n: p.shape for n, p in self.job.model.named_parameters()}
-        return tuple(pack_manifest([(n, "float32", shapes[n]) for n in self.fragments[fragment]])[0])
+        return self.manifest_of(self.fragments[fragment], shapes)
+
+    @staticmethod
+    def manifest_of(names: tuple[str, ...], shapes: Mapping[str, torch.Size]) -> tuple[TensorEntry, ...]:
+        return tuple(pack_manifest([(n, "float32", shapes[n]) for n in names])[0])
 
     def heal(self, versions: tuple[int, ...] = (3, 5), seed: int = 1) -> dict[str, Tensor]:
         """Post the plan and every fragment's global value as a heal; returns those values."""
@@ -360,10 +364,13 @@ def test_a_request_overtaken_by_its_fragments_update_is_answered_first(apply: st
     got = {s.fragment: (s.base_version, s.c_steps, s.c_tokens) for s in snapshots}
     # Fragment 1's request is answered after its update: an overwrite (keep-local with nothing
     # sent is one) dropped its 3 steps, leaving nothing to push; mix keeps them, and so does its push.
-    kept = (6, 3, 10 + 11 + 12) if apply == "mix" else (6, 0, 0)
-    assert got == {0: (3, 3, 10 + 11 + 12), 1: kept}
-    (first,) = [s for s in snapshots if s.fragment == 0]
-    assert bytes(first.theta) == bytes(pack(r.fragments[0], before))
+    if apply == "mix":
+        # Mix keeps the steps through the apply: applies come first, and the push follows.
+        assert got == {0: (4, 3, 10 + 11 + 12), 1: (6, 3, 10 + 11 + 12)}
+    else:
+        assert got == {0: (3, 3, 10 + 11 + 12), 1: (6, 0, 0)}
+        (first,) = [s for s in snapshots if s.fragment == 0]
+        assert bytes(first.theta) == bytes(pack(r.fragments[0], before))
     assert r.loop.versions == {0: 4, 1: 6}
     if apply == "overwrite":
         assert_params(r.job, r.of(0, merged))
@@ -743,3 +750,106 @@ def test_a_failed_save_does_not_hide_the_steps_exception(tmp_path: Path) -> None
         r.loop.run(threading.Event())
     (record,) = [r for r in logs if r["log_level"] == "error"]
     assert "local state not saved" in record["event"] and "['rng']" in record["error"]
+
+
+# ---------------------------------------------------------------------------- counters = outer gradient
+
+#: The constant step of ConstantJob: every parameter moves by -STEP_DELTA per step, exactly.
+STEP_DELTA = 0.5
+TOKENS_PER_STEP = 7
+
+
+class ConstantJob:
+    """A training whose every step moves every parameter by exactly -STEP_DELTA: an outer gradient
+    then says how many steps it holds (δ / STEP_DELTA per value)."""
+
+    def __init__(self) -> None:
+        self.model = nn.Linear(3, 2)
+        with torch.no_grad():
+            for param in self.model.parameters():
+                param.zero_()
+
+    def step(self, index: int) -> StepResult:
+        with torch.no_grad():
+            for param in self.model.parameters():
+                param.sub_(STEP_DELTA)
+        return StepResult(tokens=TOKENS_PER_STEP, loss=0.0)
+
+    def trainer(self) -> Trainer:
+        return Trainer(self.model, None, self.step)
+
+
+@pytest.mark.parametrize("apply", ["keep-local", "mix"])
+def test_every_push_holds_exactly_the_steps_and_tokens_it_reports(apply: str) -> None:
+    """The syncer here sends back what was pushed (Θ_new = θ_sent), late, sometimes at the very
+    boundary of the fragment's next request: the case where main pushed 0 steps (weight 0) and
+    the next keep-local apply dropped them. Every push must report the steps since the fragment's
+    last push, hold exactly those (keep-local: δ = steps · STEP_DELTA; mix keeps alpha of those
+    taken while the fragment was away), and none may report 0 steps."""
+    alpha = 0.5
+    job = ConstantJob()
+    config = RuntimeConfig(entry=ENTRY, apply=apply, mix_alpha=alpha)
+    bridge = Bridge()
+    loop = TrainingLoop(config, job.trainer(), bridge, CPU, "m0")
+    fragments = (("weight",), ("bias",))
+    plan = Plan(INCARNATION, model_entries(job.model), fragments, (0, 0), 2, 2, 1)
+    shapes = {n: p.shape for n, p in job.model.named_parameters()}
+    bridge.post_plan(plan)
+    zeros = {n: torch.zeros(s) for n, s in shapes.items()}
+    for fragment, names in enumerate(fragments):
+        bridge.post_update(Adopt(fragment, 0, pack(names, zeros), True, INCARNATION))
+    loop.boundary()
+    versions = {0: 0, 1: 0}
+    # (step, what happens at its boundary): r = request of fragment f; u = the merge of its last push.
+    script = {
+        1: ["r0"], 2: ["r1"], 3: ["u0", "r0"], 4: ["u1"], 5: ["r1"], 6: ["u0"], 7: ["r0", "u1", "r1"],
+        9: ["u0"], 10: ["r0"], 11: ["r1", "u1"], 12: ["u0", "r0"],
+    }  # fmt: skip
+    pushed: dict[int, Any] = {}
+    trained_since: dict[int, int] = {0: 0, 1: 0}
+    in_flight: dict[int, int] = {}  # fragment -> steps taken since its push, while unapplied
+    applied: dict[int, int] = {}  # fragment -> steps its merge was away, applied since its last push
+    checked = 0
+    round_index = 0
+    for step in range(1, 13):
+        loop.one_step()
+        for fragment in (0, 1):
+            trained_since[fragment] += 1
+            if fragment in in_flight:
+                in_flight[fragment] += 1
+        for event in script.get(step, []):
+            fragment = int(event[1])
+            if event[0] == "u":
+                snap = pushed[fragment]
+                versions[fragment] += 1
+                bridge.post_update(
+                    Adopt(fragment, versions[fragment], bytearray(snap.theta), False, INCARNATION)
+                )
+                applied[fragment] = in_flight.pop(fragment)
+            else:
+                bridge.post_request(FragmentRequest(fragment, round_index, versions[fragment]))
+                round_index += 1
+        loop.boundary()
+        for snap in bridge.drain()[0]:
+            fragment = snap.fragment
+            assert snap.c_steps > 0, "a push of no steps"
+            assert (snap.c_steps, snap.c_tokens) == (
+                trained_since[fragment],
+                TOKENS_PER_STEP * trained_since[fragment],
+            )
+            _, delta, _ = compute_push(snap, Rig.manifest_of(fragments[fragment], shapes), 64)
+            held = torch.frombuffer(bytearray(delta), dtype=torch.float32)[
+                : shapes[fragments[fragment][0]].numel()
+            ]
+            if apply == "keep-local" or fragment not in applied:
+                want = snap.c_steps * STEP_DELTA
+            else:
+                # mix: θ ← alpha·θ + (1 - alpha)·θ_sent keeps alpha of the steps taken in flight.
+                away = applied.pop(fragment)
+                want = (alpha * away + (snap.c_steps - away)) * STEP_DELTA
+            torch.testing.assert_close(held, torch.full_like(held, want), rtol=0, atol=1e-6)
+            pushed[fragment] = snap
+            trained_since[fragment] = 0
+            in_flight[fragment] = 0
+            checked += 1
+    assert checked == 9 and loop.progress.passes == 0

@@ -418,6 +418,6 @@ def test_config_file_flags_win_and_bad_values_are_named(tmp_path: Path, entry_di
 
     config.write_text("fragmnts = 3\n")
     assert "unknown key 'fragmnts'" in refused("--config", str(config), "--insecure")
-    assert "--quorum: 'zero' is not an integer" in refused("--quorum", "zero", "--insecure")
+    assert "--quorum: 'zero' is neither all nor an integer" in refused("--quorum", "zero", "--insecure")
     assert "without a shared secret" in refused("--listen", "0.0.0.0:0")
     assert "no module named 'x'" in refused("--insecure", "--listen", "127.0.0.1:0")

@@ -195,3 +195,15 @@ def test_max_fragment_ratio_is_a_syncer_flag() -> None:
 
     result = CliRunner().invoke(main, ["syncer", "--help"])
     assert result.exit_code == 0 and "--max-fragment-ratio" in result.output
+
+
+def test_quorum_all_is_lockstep_and_needs_overlap_within_sync_every() -> None:
+    config = load_config(
+        SyncerConfig, SYNCER_FIELDS, None, {"quorum": "all", "overlap": "4", "sync_every": "4"}
+    )
+    assert config.lockstep and config.quorum == 0
+    assert not load_config(SyncerConfig, SYNCER_FIELDS, None, {"quorum": "3"}).lockstep
+    with pytest.raises(ConfigError, match="--overlap: 5 is above --sync-every"):
+        load_config(SyncerConfig, SYNCER_FIELDS, None, {"quorum": "all", "overlap": "5", "sync_every": "4"})
+    with pytest.raises(ConfigError, match=r"--quorum: '0' is neither all nor an integer 1\.\.65536"):
+        load_config(SyncerConfig, SYNCER_FIELDS, None, {"quorum": "0"})

@@ -1,0 +1,247 @@
+"""Lock-step dilocod equals its ancestors: real `dilocod syncer` and `dilocod learner` processes on
+loopback, two learners of unequal speed (one 3x slower), a small deterministic MLP trained by plain
+torch SGD, against references written in plain torch (tests/integration/diloco_reference.py):
+
+- DiLoCo (P = 1, tau = 0) and Streaming DiLoCo (P = 4, tau = 0 and tau = 2, overwrite and mix),
+  each with `--merge mean` and with RDA, the syncer in lock-step (`--quorum all`);
+- the syncer's global model, exported after SIGTERM, equals the reference's at the versions the
+  syncer merged, to float32 rounding: at most 1e-5 relative (‖got - want‖ / ‖want‖) on every
+  tensor; so does every learner's own model as it stopped (its saved local state);
+- every round merged both learners' pushes for the due round, with equal weights.
+
+The learners wait at their first step until the syncer counts both live, so that no round opens
+before both have healed (a round can only hold the learners that were live when it opened).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from . import equivalence_entry as problem
+from .diloco_reference import (
+    MERGES,
+    Flags,
+    TorchLearner,
+    due_step,
+    reference_diloco,
+    reference_streaming,
+    relative_error,
+)
+from .syncer_process import (
+    DaemonProcess,
+    dilocod_cli,
+    start_learner,
+    start_syncer,
+    syncer_status,
+)
+
+#: Float32 rounding, accumulated over a few rounds: the bound on every tensor's relative error.
+TOLERANCE = 1e-5
+DEADLINE_S = 120.0
+ENTRY = "equivalence_entry:make_trainer"
+FAST_STEP_S = 0.015
+#: (learner id, seed, seconds per step): the second is three times slower than the first.
+LEARNERS = (("fast", 1, FAST_STEP_S), ("slow", 2, 3 * FAST_STEP_S))
+#: A run that moved the global model less than this (relative) would make the comparison empty.
+MIN_MOVED = 1e-2
+
+
+@dataclass(frozen=True)
+class Case:
+    flags: Flags
+    rounds: int
+
+    @property
+    def steps(self) -> int:
+        """Every learner's --steps: one past the boundary where the last round is applied, so the
+        run ends with every round merged and applied and no snapshot in flight."""
+        flags = self.flags
+        return due_step(self.rounds - 1, flags.sync_every, flags.fragments) + flags.overlap + 1
+
+
+CASES = [
+    pytest.param(Case(Flags(fragments=1, sync_every=4, merge="mean"), rounds=4), id="diloco-mean"),
+    pytest.param(Case(Flags(fragments=1, sync_every=4, merge="rda"), rounds=4), id="diloco-rda"),
+    pytest.param(Case(Flags(fragments=4, sync_every=8, merge="mean"), rounds=8), id="streaming-tau0-mean"),
+    pytest.param(Case(Flags(fragments=4, sync_every=8, merge="rda"), rounds=8), id="streaming-tau0-rda"),
+    pytest.param(
+        Case(Flags(fragments=4, sync_every=16, overlap=2, merge="mean"), rounds=8), id="streaming-tau2-mean"
+    ),
+    pytest.param(
+        Case(Flags(fragments=4, sync_every=16, overlap=2, merge="rda"), rounds=8), id="streaming-tau2-rda"
+    ),
+    pytest.param(
+        Case(Flags(fragments=4, sync_every=16, overlap=2, merge="mean", apply="mix"), rounds=8),
+        id="streaming-tau2-mix",
+    ),
+]
+
+
+@pytest.fixture
+def entry_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "entry"
+    directory.mkdir()
+    shutil.copy(Path(problem.__file__), directory / "equivalence_entry.py")
+    return directory
+
+
+@pytest.fixture
+def go_fifos(tmp_path: Path) -> Iterator[dict[str, int]]:
+    """A FIFO per learner, held open read-write by the test: the learner's first step blocks
+    reading it until the test writes a byte (or exits, closing it)."""
+    held: dict[str, int] = {}
+    try:
+        for name, _, _ in LEARNERS:
+            path = tmp_path / f"go-{name}"
+            os.mkfifo(path)
+            held[name] = os.open(path, os.O_RDWR)  # never blocks on Linux, unlike O_WRONLY
+        yield held
+    finally:
+        for fd in held.values():
+            os.close(fd)
+
+
+def _syncer_args(flags: Flags) -> tuple[str, ...]:
+    return (
+        *("--fragments", str(flags.fragments), "--sync-every", str(flags.sync_every)),
+        *("--overlap", str(flags.overlap), "--quorum", "all", "--merge", flags.merge),
+        *("--outer-lr", str(flags.outer_lr), "--outer-momentum", str(flags.outer_momentum)),
+    )
+
+
+def _start_learners(
+    tmp_path: Path, entry_dir: Path, port: int, case: Case, env: pytest.MonkeyPatch
+) -> list[DaemonProcess]:
+    """Each learner inherits its own step time and go-FIFO through the environment."""
+    learners = []
+    for name, seed, step_s in LEARNERS:
+        env.setenv(problem.STEP_S_ENV, str(step_s))
+        env.setenv(problem.GO_FIFO_ENV, str(tmp_path / f"go-{name}"))
+        learners.append(
+            start_learner(
+                *(tmp_path, entry_dir, port, name),
+                *("--entry", ENTRY, "--seed", str(seed), "--steps", str(case.steps)),
+                *("--apply", case.flags.apply, "--mix-alpha", str(case.flags.mix_alpha)),
+                *("--state-dir", str(tmp_path / name), "--join-timeout-s", str(DEADLINE_S)),
+            )
+        )
+    return learners
+
+
+def _release_when_both_live(
+    syncer: DaemonProcess, learners: list[DaemonProcess], fifos: dict[str, int]
+) -> None:
+    for learner in learners:
+        learner.wait_for("healed", lambda record: True, DEADLINE_S)
+    names = {name for name, _, _ in LEARNERS}
+    # Each `dilocod status` is a request answered by the syncer: no timer, one question at a time.
+    for _ in range(100):
+        live = {entry["id"] for entry in syncer_status(syncer.port)["learners"] if entry.get("live")}
+        if names <= live:
+            break
+    else:
+        raise AssertionError(f"the syncer never counted both learners live: {syncer.stderr()}")
+    for fd in fifos.values():
+        os.write(fd, b"g")
+
+
+def _reference(case: Case) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]], list[int]]:
+    """The reference global model after every round, the learners' models as they stop, and each
+    fragment's version."""
+    model = problem.make_model()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    learners = [TorchLearner(model, problem.batch, seed, problem.INNER_LR) for _, seed, _ in LEARNERS]
+    flags = case.flags
+    if flags.fragments == 1:
+        # DiLoCo as its paper writes it; the learners then train the steps past the last sync.
+        want = reference_diloco(
+            initial,
+            learners,
+            flags.sync_every,
+            case.rounds,
+            MERGES[flags.merge],
+            flags.outer_lr,
+            flags.outer_momentum,
+        )
+        for learner in learners:
+            for _ in range(case.steps - case.rounds * flags.sync_every):
+                learner.step()
+        return want, [dict(learner.params) for learner in learners], [case.rounds]
+    run = reference_streaming(initial, learners, flags, case.steps)
+    assert len(run.rounds) == case.rounds
+    versions = [len(history) - 1 for history in run.outer.versions]
+    return run.global_at(versions), [dict(learner.params) for learner in learners], versions
+
+
+def _errors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> dict[str, float]:
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    return {name: relative_error(got[name], want[name].detach()) for name in want}
+
+
+def _check_rounds(merged: list[dict], case: Case) -> list[int]:
+    """Rounds 0..R-1, each merging both learners' pushes for that round with equal weights;
+    returns the version every fragment reached."""
+    fragments = case.flags.fragments
+    assert [record["round"] for record in merged] == list(range(case.rounds)), merged
+    versions = [0] * fragments
+    for record in merged:
+        r = record["round"]
+        assert record["fragment"] == r % fragments, record
+        assert sorted(record["contributors"]) == sorted(name for name, _, _ in LEARNERS), record
+        assert record["push_rounds"] == [r, r], record
+        assert record["weights"] == [0.5, 0.5], record
+        versions[r % fragments] += 1
+        assert record["version"] == versions[r % fragments], record
+    return versions
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_lockstep_equals_the_reference(
+    tmp_path: Path, entry_dir: Path, go_fifos: dict[str, int], monkeypatch: pytest.MonkeyPatch, case: Case
+) -> None:
+    state = tmp_path / "syncer"
+    syncer = start_syncer(tmp_path, entry_dir, state, *_syncer_args(case.flags), entry=ENTRY)
+    learners: list[DaemonProcess] = []
+    try:
+        learners = _start_learners(tmp_path, entry_dir, syncer.port, case, monkeypatch)
+        _release_when_both_live(syncer, learners, go_fifos)
+        for learner in learners:
+            assert learner.process.wait(timeout=DEADLINE_S) == 0, learner.stderr()
+    finally:
+        for learner in learners:
+            if learner.alive():
+                learner.kill()
+        assert syncer.stop() == 0, syncer.stderr()
+
+    versions = _check_rounds(syncer.log_events("round merged"), case)
+    out = tmp_path / "global.safetensors"
+    exported = dilocod_cli("export", "--state-dir", str(state), "--out", str(out)).stderr
+    found = re.search(r"fragment versions \S+ \(sum (\d+)\)", exported)
+    assert found is not None and int(found.group(1)) == sum(versions), exported
+    got = load_file(str(out))
+
+    want, want_learners, want_versions = _reference(case)
+    assert versions == want_versions
+    initial = {n: p.detach() for n, p in problem.make_model().named_parameters()}
+    moved = relative_error(
+        torch.cat([got[n].flatten() for n in initial]), torch.cat([initial[n].flatten() for n in initial])
+    )
+    assert moved > MIN_MOVED, f"the global model hardly moved ({moved:.2e}): nothing was compared"
+
+    errors = _errors(got, want)
+    assert max(errors.values()) <= TOLERANCE, f"global model, relative error per tensor: {json.dumps(errors)}"
+    for (name, _, _), reference in zip(LEARNERS, want_learners, strict=True):
+        saved = torch.load(tmp_path / name / "learner-state.pt", weights_only=True)
+        assert saved["step"] == case.steps
+        errors = _errors(saved["model"], reference)
+        assert max(errors.values()) <= TOLERANCE, f"learner {name}, relative error per tensor: {errors}"

@@ -70,6 +70,6 @@ def make_trainer(ctx: dilocod.LearnerContext) -> dilocod.Trainer:
         optimizer.step()
         if step_s:
             time.sleep(step_s)
-        return dilocod.StepResult(tokens=BATCH_SIZE, loss=float(loss))
+        return dilocod.StepResult(tokens=BATCH_SIZE, loss=float(loss.detach()))
 
     return dilocod.Trainer(model=model, optimizer=optimizer, step=step)

@@ -503,7 +503,12 @@ def status(
 @click.option(
     "--overlap", help="tau: steps a learner keeps training while its fragment travels.  [default: 2]"
 )
-@click.option("--quorum", help="K: pushes a round needs before it may merge.  [default: 1]")
+@click.option(
+    "--quorum",
+    help="K: pushes a round needs before it may merge, or all: lock-step, every live learner pushes at "
+    "each round's due step and waits for it (DiLoCo with --overlap 0 and --fragments 1, Streaming DiLoCo "
+    "with more fragments).  [default: 1]",
+)
 @click.option(
     "--grace-factor", help="gamma: share of the measured slack to wait for stragglers.  [default: 0.5]"
 )

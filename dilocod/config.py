@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from dilocod.wire.messages import QUORUM_ALL
+
 EX_CONFIG = 78  # sysexits EX_CONFIG: systemd's RestartPreventExitStatus keys on it
 
 _SIZE_UNITS = {
@@ -193,6 +195,16 @@ def _number(low: float, high: float | None = None, *, low_open: bool = False) ->
     return parse
 
 
+def _quorum(value: object, key: str) -> int:
+    """K: a count of learners, or "all" (lock-step: every live learner), kept as QUORUM_ALL."""
+    if value == "all":
+        return QUORUM_ALL
+    try:
+        return int(_integer(1, 65_536)(value, key))  # type: ignore[call-overload]
+    except ConfigError:
+        raise ConfigError(f"{key}: {value!r} is neither all nor an integer 1..65536") from None
+
+
 def _text(choices: tuple[str, ...] | None = None) -> Parse:
     def parse(value: object, key: str) -> str:
         if not isinstance(value, str) or not value:
@@ -252,6 +264,7 @@ class SyncerConfig:
     fragments: int = 24
     sync_every: int = 24
     overlap: int = 2
+    #: K; QUORUM_ALL (--quorum all) is lock-step: every live learner, at every round's due step.
     quorum: int = 1
     grace_factor: float = 0.5
     merge: str = "rda"
@@ -281,6 +294,19 @@ class SyncerConfig:
     codec: str = "none"
     seed: int = 0
 
+    @property
+    def lockstep(self) -> bool:
+        return self.quorum == QUORUM_ALL
+
+    def check(self) -> None:
+        """What no single key can say: in lock-step a fragment's merge must be applied (tau steps
+        after its push) no later than its next push, H steps after the last."""
+        if self.lockstep and self.overlap > self.sync_every:
+            raise ConfigError(
+                f"--overlap: {self.overlap} is above --sync-every ({self.sync_every}); with --quorum all a "
+                "fragment's merge is applied tau steps after its push and must be back before its next one"
+            )
+
 
 SYNCER_FIELDS: dict[str, Parse] = {
     "listen": _address(DEFAULT_PORT),
@@ -289,7 +315,7 @@ SYNCER_FIELDS: dict[str, Parse] = {
     "fragments": _integer(1, 65_536),
     "sync_every": _integer(1, 1_000_000),
     "overlap": _integer(0, 1_000_000),
-    "quorum": _integer(1, 65_536),
+    "quorum": _quorum,
     "grace_factor": _number(0.0, 100.0),
     "merge": _text(MERGES),
     "embedding_pattern": _text(),
@@ -333,7 +359,11 @@ def load_config(cls: type[C], fields: dict[str, Parse], path: Path | None, flags
     for key, value in flags.items():
         if value is not None:
             values[key] = fields[key](value, f"--{key.replace('_', '-')}")
-    return cls(**values)
+    config = cls(**values)
+    check = getattr(config, "check", None)
+    if check is not None:
+        check()
+    return config
 
 
 APPLY_MODES = ("overwrite", "mix", "keep-local")

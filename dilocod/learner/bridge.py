@@ -68,6 +68,15 @@ class Snapshot:
     anchor: Buffer
     #: The device copy that fills theta, while it runs; None when theta is already complete.
     ready: CopyInFlight | None = None
+    #: The learner's step at the snapshot, and how late (steps) it applied the fragment's last
+    #: merge (None: not measured), for the push header.
+    step: int | None = None
+    apply_late: int | None = None
+
+    @property
+    def empty(self) -> bool:
+        """No step since the fragment's last push: answered with NOTHING_TO_PUSH, no bytes."""
+        return self.c_steps == 0
 
 
 @dataclass(frozen=True, slots=True)

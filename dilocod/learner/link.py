@@ -57,7 +57,15 @@ from dilocod.wire.codecs import chunk_checksums
 from dilocod.wire.errors import ErrorCode
 from dilocod.wire.limits import DEFAULT_LIMITS
 from dilocod.wire.manifest import ModelEntry, TensorEntry, pack_manifest
-from dilocod.wire.messages import FragmentRequest, Join, Plan, PushHeader, StepReport, UpdateHeader
+from dilocod.wire.messages import (
+    FragmentRequest,
+    Join,
+    NothingToPush,
+    Plan,
+    PushHeader,
+    StepReport,
+    UpdateHeader,
+)
 
 log = structlog.get_logger("dilocod.learner")
 
@@ -415,6 +423,17 @@ class Link:
         for item in steps:
             session.control.send(StepReport.within(item.step, item.tokens, item.step_time_s))
         for snapshot in snapshots:
+            if snapshot.empty:
+                # No step since the fragment's last push: a small answer, not a push of zeros.
+                session.control.send(
+                    NothingToPush(
+                        snapshot.fragment,
+                        snapshot.round,
+                        snapshot.base_version,
+                        min(snapshot.step or 0, DEFAULT_LIMITS.max_reported_steps),
+                    )
+                )
+                continue
             task = asyncio.ensure_future(self._push(session, snapshot))
             self._pushes.add(task)
             task.add_done_callback(self._pushes.discard)
@@ -452,6 +471,12 @@ class Link:
             # Within the ranges the syncer accepts (wire/limits.py), far above any real count.
             c_steps=min(snapshot.c_steps, DEFAULT_LIMITS.max_reported_steps),
             c_tokens=min(snapshot.c_tokens, DEFAULT_LIMITS.max_push_tokens),
+            step=None if snapshot.step is None else min(snapshot.step, DEFAULT_LIMITS.max_reported_steps),
+            apply_late=(
+                None
+                if snapshot.apply_late is None
+                else min(snapshot.apply_late, DEFAULT_LIMITS.max_reported_steps)
+            ),
         )
         shuffle = PUSH_SHUFFLE if codec != "none" else 0
         self._meter.started(loop.time(), codec)

@@ -402,6 +402,22 @@ class ProcessBridge:
         snapshots, self._snapshots = self._snapshots, []
         notes = []
         for snapshot in snapshots:
+            if snapshot.empty:
+                # NOTHING_TO_PUSH: no bytes travel, no buffer is lent (buffer id -1).
+                notes.append(
+                    [
+                        snapshot.fragment,
+                        snapshot.round,
+                        snapshot.base_version,
+                        0,
+                        0,
+                        -1,
+                        0,
+                        snapshot.step,
+                        None,
+                    ]
+                )
+                continue
             if snapshot.ready is not None and not snapshot.ready.done():
                 if not wait:
                     self._snapshots.append(snapshot)
@@ -422,6 +438,8 @@ class ProcessBridge:
                     snapshot.c_tokens,
                     bid,
                     len(snapshot.theta),
+                    snapshot.step,
+                    snapshot.apply_late,
                 ]
             )
         if notes or self._steps or self._releases:
@@ -623,7 +641,8 @@ class ChildBridge(Bridge):
 
     def post_plan(self, plan: Any) -> None:
         super().post_plan(plan)
-        self._overlap = plan.overlap
+        # Lock-step waits for what is forwarded, whatever tau: nothing is held back for it.
+        self._overlap = 0 if plan.lockstep else plan.overlap
         self._schedule(urgent=True)
 
     def post_update(self, adopt: Adopt) -> None:
@@ -659,8 +678,8 @@ class ChildBridge(Bridge):
 
     def _hold_s(self) -> float:
         """How long a message may wait for others to share its datagram: until half a step after
-        the training side's last boundary. Never in lock-step (tau = 0: the training side waits for
-        it), before the first plan and step reports, or for short steps."""
+        the training side's last boundary. Never in lock-step (tau = 0 or PLAN quorum 0: the
+        training side waits for it), before the first plan and step reports, or for short steps."""
         last = self._last_step()
         if self._loop is None or self._overlap in (None, 0) or last is None or last[1] < COALESCE_MIN_STEP_S:
             return 0.0
@@ -769,10 +788,23 @@ class ChildBridge(Bridge):
                 for step, tokens, step_time_s in message["steps"]:
                     self.report_step(StepReportItem(int(step), int(tokens), float(step_time_s)), wake=False)
                     self._step_times.append(float(step_time_s))
-                for fragment, round_, base, c_steps, c_tokens, bid, size in message["snapshots"]:
+                for fragment, round_, base, c_steps, c_tokens, bid, size, raw_step, raw_late in message[
+                    "snapshots"
+                ]:
+                    step = None if raw_step is None else int(raw_step)
+                    late = None if raw_late is None else int(raw_late)
+                    if int(bid) < 0:  # NOTHING_TO_PUSH: no buffer
+                        empty = bytearray()
+                        self.send_snapshot(
+                            Snapshot(int(fragment), int(round_), int(base), 0, 0, empty, empty, step=step),
+                            wake=False,
+                        )
+                        continue
                     released.append(bid)
                     theta = self._mapper.view(int(bid), int(size))
-                    self._snapshot(int(fragment), int(round_), int(base), int(c_steps), int(c_tokens), theta)
+                    self._snapshot(
+                        int(fragment), int(round_), int(base), int(c_steps), int(c_tokens), theta, step, late
+                    )
             elif kind != "new":
                 log.error("unexpected message from the training process", kind=kind)
         if released:
@@ -782,7 +814,15 @@ class ChildBridge(Bridge):
         self.flush()
 
     def _snapshot(
-        self, fragment: int, round_: int, base: int, c_steps: int, c_tokens: int, lent: memoryview
+        self,
+        fragment: int,
+        round_: int,
+        base: int,
+        c_steps: int,
+        c_tokens: int,
+        lent: memoryview,
+        step: int | None = None,
+        apply_late: int | None = None,
     ) -> None:
         anchor = self._delivered.get(fragment, {}).get(base)
         if anchor is None or len(anchor) != len(lent):
@@ -793,7 +833,12 @@ class ChildBridge(Bridge):
         versions = self._delivered[fragment]
         for old in [v for v in versions if v < base]:
             del versions[old]
-        self.send_snapshot(Snapshot(fragment, round_, base, c_steps, c_tokens, theta, anchor), wake=False)
+        self.send_snapshot(
+            Snapshot(
+                fragment, round_, base, c_steps, c_tokens, theta, anchor, step=step, apply_late=apply_late
+            ),
+            wake=False,
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,14 +1,18 @@
 """The learner's training loop, on the main thread: the user's step, and at every step boundary the
 outer loop's two touches on the parameters (docs/design.md §3.3). Parameters change only here.
 
-At a step boundary, in this order:
-1. merged fragments that arrived are applied (heal: overwrite; otherwise the chosen mode), the
-   update's buffer becomes the fragment's anchor, its counters restart;
-2. requested fragments are copied out (to host memory, in wire layout) with their counters and
-   anchor, for the network (thread or process) to turn into a push;
-then the user's step runs. Nothing here waits on the network, except with tau = 0 (lock-step: the
-learner waits for the merged fragment it pushed before stepping on) and, once at start, for the
-first heal (bounded by join_timeout_s; training starts anyway when the syncer is away).
+At a step boundary, in this order (when is decided by dilocod.learner.cadence):
+1. merged fragments that are due are applied (heal: overwrite; otherwise the chosen mode), and the
+   update's buffer becomes the fragment's anchor;
+2. requested fragments that are due are copied out (to host memory, in wire layout) with their
+   counters and anchor, for the network (thread or process) to turn into a push; the counters
+   restart there, at the send (and where an overwrite drops the local progress). A fragment with
+   no step since then is answered with NOTHING_TO_PUSH instead;
+3. lock-step with tau = 0 only: the merges of the fragments just pushed are waited for and applied;
+then the user's step runs. Decoupled (K < M), nothing here waits on the network. Lock-step
+(PLAN quorum 0) waits at a round's due step for its request, and at its due step + tau for its
+merge, each wait bounded by join_timeout_s (a syncer gone or a round given up must not stop
+training for good); and, once at start, for the first heal (bounded the same way).
 """
 
 from __future__ import annotations
@@ -24,7 +28,17 @@ import structlog
 import torch
 
 from dilocod.contract import Trainer
-from dilocod.learner.bridge import Adopt, Buffer, CopyInFlight, Inbox, Snapshot, StepReportItem, TrainingSide
+from dilocod.learner.bridge import (
+    Adopt,
+    Buffer,
+    CopyInFlight,
+    Inbox,
+    Snapshot,
+    StepReportItem,
+    TrainingSide,
+    newer_update,
+)
+from dilocod.learner.cadence import Cadence, InFlight, Lateness
 from dilocod.learner.entry import EntryError, check_step_result, step_failed
 from dilocod.learner.island import Island
 from dilocod.learner.layout import FragmentLayout, layouts_for
@@ -38,6 +52,7 @@ from dilocod.learner.state import (
 )
 from dilocod.outer import apply_update_
 from dilocod.wire.codecs import checksum
+from dilocod.wire.messages import FragmentRequest
 
 log = structlog.get_logger("dilocod.learner")
 
@@ -65,6 +80,8 @@ class Progress:
     last_loss: float | None = None
     applied: int = 0
     snapshots: int = 0
+    #: Requests answered with NOTHING_TO_PUSH (no step since the fragment's last push).
+    passes: int = 0
     started: float = field(default_factory=time.monotonic)
 
 
@@ -161,20 +178,35 @@ class TrainingLoop:
         self.learner_id = learner_id
         self.copier = HostCopier(device)
         self.layouts: list[FragmentLayout] = []
-        self.anchors: dict[int, bytearray] = {}
+        self.anchors: dict[int, Buffer] = {}
         self.versions: dict[int, int] = {}
-        #: progress.steps and progress.tokens when each fragment was last applied: a push's counters
-        #: are the differences (no per-fragment work at every step, whatever P).
-        self.applied_at: dict[int, tuple[int, int]] = {}
+        #: progress.steps and progress.tokens when each fragment was last sent (or healed): a
+        #: push's counters are the differences (no per-fragment work at every step, whatever P).
+        self.sent_at: dict[int, tuple[int, int]] = {}
         #: θ_p at its last push, for keep-local: a copy where the parameters live (no host copy to
         #: wait for), in their own dtype.
         self.sent: dict[int, list[torch.Tensor]] = {}
-        self.awaiting: set[int] = set()  # pushed fragments whose merge has not come back (tau = 0)
+        #: Pushed fragments whose merge has not been applied yet.
+        self.in_flight: dict[int, InFlight] = {}
+        #: Merged fragments that arrived and are not applied yet (lock-step holds one until its
+        #: due step), and requests not answered yet (held until their round's due step).
+        self.held: dict[int, Adopt] = {}
+        self.requests: dict[int, FragmentRequest] = {}
+        #: Lock-step: rounds below this one are not waited for (answered, given up, or before the plan).
+        self.next_round = 0
+        #: The highest round a request named since the plan: rounds open in order, so one below it
+        #: that never came is not coming.
+        self.newest_request = -1
+        #: Lock-step: in-flight fragments whose merge was waited for in vain (not waited for again).
+        self.given_up: set[int] = set()
+        #: How late the last apply of each fragment was, for its next push header.
+        self.apply_late: dict[int, int] = {}
+        self.lateness = Lateness()
         self.step_index = 0
         self.progress = Progress()
         self.incarnation = ""
-        #: tau, from the syncer's plan: 0 makes the loop lock-step.
-        self.overlap = 2
+        #: The schedule from the syncer's plan (None until the first one).
+        self.cadence: Cadence | None = None
         self._last_save = time.monotonic()
         self._last_progress = time.monotonic()
         #: Saves the disk failed since the last one that succeeded, and why the last one failed.
@@ -270,25 +302,30 @@ class TrainingLoop:
             raise
         self.save()
 
+    @property
+    def overlap(self) -> int:
+        """tau, from the syncer's plan (2 until the first one)."""
+        return self.cadence.overlap if self.cadence is not None else 2
+
+    @property
+    def awaiting(self) -> set[int]:
+        """Fragments pushed whose merge has not been applied yet."""
+        return set(self.in_flight)
+
     def _train(self, stop: threading.Event) -> None:
         while self._agree(
             not stop.is_set() and (self.config.steps is None or self.step_index < self.config.steps)
         ):
-            self.boundary()
-            if self.overlap == 0:
-                # Lock-step waits here, right after the boundary that pushed, not after the
-                # next step: a step run while the fragment is in flight trains on the pre-merge
-                # values and is then overwritten by the merge (that would be tau = 1).
-                self._wait_for_merges(stop)
-                if not self._agree(not stop.is_set()):
-                    break
+            self.boundary(stop)
+            if not self._agree(not stop.is_set()):
+                break
             self.one_step()
             now = time.monotonic()
             if self.state_dir is not None and now - self._last_save >= self.config.save_every_s:
                 self.save()
             if self.leader and now - self._last_progress >= self.config.progress_every_s:
                 self._report_progress(now)
-        self.boundary()  # adopt what arrived during the last step before saving
+        self.boundary(stop)  # adopt what arrived during the last step before saving
         if self.leader:
             self._report_holding()
 
@@ -298,38 +335,159 @@ class TrainingLoop:
         """A decision every rank of an island takes together (all must say yes)."""
         return local if self.island is None else self.island.agree(local)
 
-    def boundary(self) -> None:
+    def boundary(self, stop: threading.Event | None = None) -> None:
+        """The step boundary: applies, then snapshots (module docstring). Lock-step waits happen
+        here, each bounded by join_timeout_s; `stop` ends them early."""
+        stop = stop if stop is not None else threading.Event()
+        self._take()
+        cadence = self.cadence
+        if cadence is not None and not cadence.lockstep:
+            # Decoupled, a request for the version this learner holds may reach the boundary with
+            # the next version of its fragment (its round merged without this push). Where that
+            # version would overwrite the fragment, the request is answered first: its push
+            # holds the steps the overwrite drops, and the syncer merges it into the fragment's
+            # next round. Only where δ against the held anchor is exactly what the counters count
+            # (no push of the fragment in flight); mix and keep-local apply first and keep them.
+            for request in sorted(self.requests.values(), key=lambda r: r.round):
+                held = self.held.get(request.fragment)
+                if (
+                    held is not None
+                    and not held.heal
+                    and request.version == self.versions.get(request.fragment)
+                    and request.fragment not in self.in_flight
+                    and self._mode(request.fragment, heal=False) == "overwrite"
+                    and cadence.answer_now(request.round, self.step_index)
+                ):
+                    self._answer(request)
+        self._apply_due(stop)
+        self._answer_due(stop)
+        if cadence is not None and cadence.lockstep and cadence.overlap == 0:
+            # Lock-step with tau = 0 waits here, right after the boundary that pushed: a step run
+            # while the fragment is in flight would train on the pre-merge values (that is tau = 1).
+            self._apply_due(stop)
+        # One wake of the network thread per step, after the boundary's own work: woken earlier
+        # (by the step report), it runs Python while this boundary's torch calls wait for the GIL.
+        if self.leader:
+            self.bridge.flush()
+
+    def _take(self) -> None:
+        """Everything the network posted (shared by rank 0 in an island) into the loop's state."""
         inbox = self.bridge.take() if self.leader else Inbox()
         if self.island is not None:
             inbox = self.island.share(inbox)
         if inbox.fatal is not None:
             raise LearnerStopped(inbox.fatal)
         if inbox.plan is not None:
-            self.layouts = layouts_for(inbox.plan, self.trainer.model)
-            self.overlap = inbox.plan.overlap
-            if inbox.plan.incarnation != self.incarnation:
+            plan = inbox.plan
+            self.layouts = layouts_for(plan, self.trainer.model)
+            self.cadence = Cadence.of(plan)
+            if plan.incarnation != self.incarnation:
                 # Another syncer incarnation: what we pushed will not come back.
-                self.awaiting.clear()
-            self.incarnation = inbox.plan.incarnation
-        # A request for the version this learner holds that comes with a newer version of its
-        # fragment (its round merged before the request reached this boundary) is answered
-        # first: its push then holds every step since that version, and the syncer merges it into
-        # the fragment's next round. Answered after the update, it would hold no step at all.
-        updated = {adopt.fragment for adopt in inbox.updates}
-        overtaken = [
-            r for r in inbox.requests if r.fragment in updated and r.version == self.versions.get(r.fragment)
-        ]
-        for request in overtaken:
-            self._snapshot(request.fragment, request.round)
+                self.in_flight.clear()
+            # Requests and updates of the old session mean nothing under the new plan.
+            self.requests.clear()
+            self.held.clear()
+            self.given_up.clear()
+            self.next_round, self.newest_request = plan.next_round, -1
+            self.incarnation = plan.incarnation
         for adopt in inbox.updates:
-            self._apply(adopt)
+            kept = newer_update(self.held.get(adopt.fragment), adopt)
+            if kept is not None:
+                self.held[adopt.fragment] = kept
         for request in inbox.requests:
-            if request not in overtaken:
-                self._snapshot(request.fragment, request.round)
-        # One wake of the network thread per step, after the boundary's own work: woken earlier
-        # (by the step report), it runs Python while this boundary's torch calls wait for the GIL.
-        if self.leader:
-            self.bridge.flush()
+            self.requests[request.fragment] = request  # a newer round of a fragment replaces the older
+            self.newest_request = max(self.newest_request, request.round)
+
+    # ------------------------------------------------------------------ applies
+
+    def _apply_due(self, stop: threading.Event) -> None:
+        """Apply the merges that are due; lock-step first waits for those due at this step."""
+        cadence = self.cadence
+        if cadence is not None and cadence.lockstep:
+            due = [
+                p
+                for p, sent in self.in_flight.items()
+                if sent.step + cadence.overlap <= self.step_index and p not in self.given_up
+            ]
+            if due and not self._wait_until(stop, lambda: all(self._arrived(p) for p in due)):
+                missing = sorted(p for p in due if not self._arrived(p))
+                log.warning(
+                    "merged fragments did not come back: stepping on",
+                    fragments=missing,
+                    step=self.step_index,
+                    waited_s=self.config.join_timeout_s,
+                )
+                self.given_up.update(missing)
+        for fragment in sorted(self.held):
+            adopt = self.held[fragment]
+            sent = self.in_flight.get(fragment)
+            if (
+                cadence is not None
+                and cadence.lockstep
+                and not adopt.heal
+                and sent is not None
+                and adopt.version > sent.base_version
+                and self.step_index < sent.step + cadence.overlap
+            ):
+                continue  # held until its due step, s_r + tau
+            del self.held[fragment]
+            self._apply(adopt)
+
+    def _arrived(self, fragment: int) -> bool:
+        """Whether the merge of the fragment's push (a version newer than its base) is here."""
+        adopt, sent = self.held.get(fragment), self.in_flight.get(fragment)
+        return sent is None or (adopt is not None and (adopt.heal or adopt.version > sent.base_version))
+
+    # ------------------------------------------------------------------ snapshots
+
+    def _answer_due(self, stop: threading.Event) -> None:
+        """Answer the requests that are due; lock-step first waits for those of the rounds due by
+        this step (a round opens once the slowest learner has reached its due step)."""
+        cadence = self.cadence
+        if cadence is None:
+            return
+        if cadence.lockstep:
+            due = cadence.rounds_due_by(self.step_index, self.next_round)
+            if len(due) and not self._wait_until(stop, lambda: self._requested(due)):
+                log.warning(
+                    "round requests did not come: stepping on",
+                    rounds=[r for r in due if not self._requested(range(r, r + 1))],
+                    step=self.step_index,
+                    waited_s=self.config.join_timeout_s,
+                )
+            self.next_round = max(self.next_round, due.stop)
+        for request in sorted(self.requests.values(), key=lambda r: r.round):
+            if cadence.answer_now(request.round, self.step_index):
+                self._answer(request)
+
+    def _requested(self, rounds: range) -> bool:
+        """Whether every one of these rounds has its request here, or is known not to be coming
+        (a later round's request came first)."""
+        held = {request.round for request in self.requests.values()}
+        return all(r in held or r < self.newest_request for r in rounds)
+
+    def _answer(self, request: FragmentRequest) -> None:
+        del self.requests[request.fragment]
+        self._snapshot(request.fragment, request.round)
+
+    # ------------------------------------------------------------------ waiting (only where asked)
+
+    def _wait_until(self, stop: threading.Event, ready: Callable[[], bool]) -> bool:
+        """Take what the network posts until ready() (evaluated on state every rank of an island
+        shares), stop, or join_timeout_s; whether ready() holds at the end."""
+        deadline = time.monotonic() + self.config.join_timeout_s
+        while True:
+            expired = self.leader and time.monotonic() >= deadline
+            if not self._agree(not ready() and not expired and not stop.is_set()):
+                break
+            if self.leader:
+                # What this boundary queued (the step report that opens the round, the push the
+                # merge waits for) goes out before the wait.
+                self.bridge.flush()
+                # Bounded by the deadline too: a short join_timeout_s must not overshoot by a second.
+                self.bridge.wait(min(1.0, max(0.0, deadline - time.monotonic())))
+            self._take()
+        return ready()
 
     def one_step(self) -> None:
         started = time.monotonic()
@@ -352,35 +510,58 @@ class TrainingLoop:
     def _apply(self, adopt: Adopt) -> None:
         if adopt.fragment >= len(self.layouts):
             return
+        sent = self.in_flight.get(adopt.fragment)
+        if sent is not None and (adopt.heal or adopt.version > sent.base_version):
+            del self.in_flight[adopt.fragment]
+            self.given_up.discard(adopt.fragment)
+            if not adopt.heal:
+                late = max(0, self.step_index - (sent.step + self.overlap))
+                self.lateness.apply(late)
+                self.apply_late[adopt.fragment] = late
         layout = self.layouts[adopt.fragment]
         new = self.copier.to_device(layout.views(adopt.buffer))
-        mode = "overwrite" if adopt.heal else self.config.apply
-        sent = None
-        if mode == "keep-local":
-            sent = self.sent.get(adopt.fragment)
-            if sent is None:
-                mode = "overwrite"  # nothing was pushed since the last adoption: no steps to keep
+        mode = self._mode(adopt.fragment, heal=adopt.heal)
+        sent = self.sent.get(adopt.fragment) if mode == "keep-local" else None
         apply_update_(list(layout.params), new, mode, alpha=self.config.mix_alpha, sent=sent)
         self.anchors[adopt.fragment] = adopt.buffer
         self.versions[adopt.fragment] = adopt.version
-        self.applied_at[adopt.fragment] = (self.progress.steps, self.progress.tokens)
+        if mode == "overwrite":
+            # The local progress on this fragment is gone (a heal, or --apply overwrite): the next
+            # push's outer gradient holds the steps from here on, and so do its counters. Mix and
+            # keep-local keep it: their counters run on from the send.
+            self.sent_at[adopt.fragment] = (self.progress.steps, self.progress.tokens)
         self.sent.pop(adopt.fragment, None)
-        self.awaiting.discard(adopt.fragment)
         self.progress.applied += 1
 
+    def _mode(self, fragment: int, *, heal: bool) -> str:
+        """How a merged fragment is applied: a heal overwrites, and so does keep-local with nothing
+        pushed since the last adoption (no steps to keep)."""
+        if heal or (self.config.apply == "keep-local" and fragment not in self.sent):
+            return "overwrite"
+        return self.config.apply
+
     def counters(self, fragment: int) -> tuple[int, int]:
-        """The steps and tokens trained since the fragment was last applied (a push's c_steps and
-        c_tokens, docs/design.md §3.3)."""
-        steps_at, tokens_at = self.applied_at[fragment]
+        """The steps and tokens trained since the fragment was last sent, or overwritten (a heal,
+        --apply overwrite): a push's c_steps and c_tokens (docs/design.md §3.3). They restart at
+        the send whatever the apply mode, so a step is counted in exactly one push."""
+        steps_at, tokens_at = self.sent_at.get(fragment, (self.progress.steps, self.progress.tokens))
         return self.progress.steps - steps_at, self.progress.tokens - tokens_at
 
     def _snapshot(self, fragment: int, round_index: int) -> None:
         if fragment >= len(self.layouts) or fragment not in self.anchors:
             return  # not healed yet: nothing meaningful to push
+        c_steps, c_tokens = self.counters(fragment)
+        cadence = self.cadence
+        late = 0 if cadence is None else cadence.late(round_index, self.step_index)
+        self.lateness.snapshot(late)
         if self.leader:
             # Every rank of an island holds the same parameters: rank 0 speaks for all of them.
-            theta, ready = self.copier.copy_out(self.layouts[fragment], self.bridge.snapshot_buffer)
-            c_steps, c_tokens = self.counters(fragment)
+            if c_steps == 0:
+                # Nothing new since the last send: NOTHING_TO_PUSH, not a push of zeros.
+                theta: Buffer = bytearray()
+                ready: CopyInFlight | None = None
+            else:
+                theta, ready = self.copier.copy_out(self.layouts[fragment], self.bridge.snapshot_buffer)
             snapshot = Snapshot(
                 fragment,
                 round_index,
@@ -388,16 +569,22 @@ class TrainingLoop:
                 c_steps,
                 c_tokens,
                 theta,
-                self.anchors[fragment],
+                self.anchors[fragment] if c_steps else bytearray(),
                 ready,
+                step=self.step_index,
+                apply_late=self.apply_late.pop(fragment, None) if c_steps else None,
             )
             self.bridge.send_snapshot(snapshot, wake=False)
+        if c_steps == 0:
+            self.progress.passes += 1
+            return
+        self.sent_at[fragment] = (self.progress.steps, self.progress.tokens)
         if self.config.apply == "keep-local":
             # Every rank keeps its own: the snapshot's buffer belongs to the network (and may be
             # lent to its process and reused once the push is made).
             with torch.no_grad():
                 self.sent[fragment] = [param.detach().clone() for param in self.layouts[fragment].params]
-        self.awaiting.add(fragment)
+        self.in_flight[fragment] = InFlight(round_index, self.step_index, self.versions[fragment])
         self.progress.snapshots += 1
 
     # ------------------------------------------------------------------ waiting (only where asked)
@@ -405,7 +592,7 @@ class TrainingLoop:
     def _wait_for_first_heal(self, stop: threading.Event) -> None:
         deadline = time.monotonic() + self.config.join_timeout_s
         while True:
-            self.boundary()
+            self.boundary(stop)
             healed = bool(self.layouts) and len(self.anchors) == len(self.layouts)
             # Rank 0 decides (its deadline, its network); any rank's stop ends the wait for all.
             waiting = not healed and time.monotonic() < deadline if self.leader else not healed
@@ -419,22 +606,6 @@ class TrainingLoop:
             log.warning(
                 "no syncer yet", waited_s=self.config.join_timeout_s, then="training on; the first join heals"
             )
-
-    def _wait_for_merges(self, stop: threading.Event) -> None:
-        """tau = 0: lock-step. Take what arrives until every pushed fragment has come back merged
-        (or join_timeout_s passes: a push the syncer refused never comes back)."""
-        deadline = time.monotonic() + self.config.join_timeout_s
-        while True:
-            expired = self.leader and time.monotonic() >= deadline
-            if not self._agree(bool(self.awaiting) and not expired and not stop.is_set()):
-                break
-            if self.leader:
-                # Bounded by the deadline too: a short join_timeout_s must not overshoot by a second.
-                self.bridge.wait(min(1.0, max(0.0, deadline - time.monotonic())))
-            self.boundary()
-        if self.awaiting and not stop.is_set():
-            log.warning("merged fragments did not come back: stepping on", fragments=sorted(self.awaiting))
-            self.awaiting.clear()
 
     def _report_holding(self) -> None:
         """Which version of every global fragment this learner holds as it stops, each with the
@@ -460,7 +631,9 @@ class TrainingLoop:
             loss=None if self.progress.last_loss is None else round(self.progress.last_loss, 4),
             applied=self.progress.applied,
             pushed=self.progress.snapshots,
-            in_flight=len(self.awaiting),
+            nothing_to_push=self.progress.passes,
+            in_flight=len(self.in_flight),
+            **self.lateness.summary(),
             **(self.network_status() if self.network_status is not None else {}),
         )
         self._last_progress = now

@@ -61,6 +61,16 @@ def rounds_due(clock: int, sync_every: int, plan: FragmentPlan | int) -> int:
     return clock * _fragment_count(plan) // sync_every
 
 
+def due_step(round_index: int, sync_every: int, plan: FragmentPlan | int) -> int:
+    """The clock (a learner's step count) at which round round_index falls due: the smallest g
+    with rounds_due(g) > round_index, i.e. ceil((round_index + 1) * H / P)."""
+    if round_index < 0:
+        raise ValueError(f"round index must not be negative, got {round_index}")
+    if sync_every < 1:
+        raise ValueError(f"sync_every (H) must be at least 1, got {sync_every}")
+    return -(-(round_index + 1) * sync_every // _fragment_count(plan))
+
+
 @dataclass(frozen=True, slots=True)
 class RoundOpening:
     round_index: int

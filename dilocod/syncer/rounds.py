@@ -41,9 +41,11 @@ from collections import Counter, OrderedDict, defaultdict, deque
 from dataclasses import dataclass, field
 from enum import Enum
 
-from dilocod.outer import open_rounds, quorum_clock
+from dilocod.outer import RoundOpening, open_rounds, quorum_clock, round_fragment, rounds_due
 from dilocod.outer.guard import Verdict
+from dilocod.outer.schedule import due_step
 from dilocod.outer.weights import bounded_merge_weights
+from dilocod.wire.messages import QUORUM_ALL
 
 #: How many accepted outer-gradient norms the guard compares a new one against.
 NORM_HISTORY = 64
@@ -55,6 +57,12 @@ MIN_WAIT_S = 1.0
 MAX_TOTAL = 2**53 - 1
 #: Learners that left, remembered (for status and goodput) beyond those live: the most recent ones.
 MAX_GONE_LEARNERS = 1024
+#: Lock-step: the shortest time a round waits for a learner it asked that has not answered (the
+#: others stand still meanwhile; a learner gives up on a merge after its --join-timeout-s).
+LOCKSTEP_MIN_WAIT_S = 30.0
+#: Lateness samples (steps between a round's due step and a learner's snapshot or apply) kept per
+#: learner for the status's median and p99.
+LATENESS_SAMPLES = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +72,7 @@ class RoundConfig:
     fragments: int = 24  # P
     sync_every: int = 24  # H
     overlap: int = 2  # tau
-    quorum: int = 1  # K
+    quorum: int = 1  # K; QUORUM_ALL: lock-step, every live learner
     grace_factor: float = 0.5  # gamma
     #: A push may be merged into a fragment at most this many versions ahead of its base.
     staleness: int = 1
@@ -72,15 +80,21 @@ class RoundConfig:
     ema_alpha: float = 0.2
 
     def __post_init__(self) -> None:
-        for name in ("fragments", "sync_every", "quorum"):
+        for name in ("fragments", "sync_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.quorum < 0:
+            raise ValueError(f"quorum must be at least 1, or QUORUM_ALL ({QUORUM_ALL}), got {self.quorum}")
         if self.overlap < 0 or self.staleness < 0:
             raise ValueError("overlap and staleness must not be negative")
         if not (math.isfinite(self.grace_factor) and self.grace_factor >= 0):
             raise ValueError(f"grace_factor must be finite and non-negative, got {self.grace_factor}")
         if not 0 < self.ema_alpha <= 1:
             raise ValueError(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
+
+    @property
+    def lockstep(self) -> bool:
+        return self.quorum == QUORUM_ALL
 
 
 class RoundState(Enum):
@@ -107,6 +121,10 @@ class Push:
     base_version: int
     c_steps: int
     c_tokens: int
+    #: The learner's own step at its snapshot, and how late (steps) it applied this fragment's
+    #: previous merge; None when its push header did not say.
+    step: int | None = None
+    apply_late: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +200,12 @@ class LearnerRecord:
     useful_s: float = 0.0
     #: When this learner last left (on the caller's clock); None while it is live.
     left_at: float | None = None
+    #: Rounds it answered with NOTHING_TO_PUSH (no step since its last push of the fragment).
+    passes: int = 0
+    #: Steps between each round's due step and this learner's snapshot for it, and between its
+    #: snapshots and the applies of their merges (as its pushes report them): the newest ones.
+    snapshot_late: deque[int] = field(default_factory=lambda: deque(maxlen=LATENESS_SAMPLES))
+    apply_late: deque[int] = field(default_factory=lambda: deque(maxlen=LATENESS_SAMPLES))
 
     @property
     def steps_per_s(self) -> float:
@@ -220,6 +244,8 @@ class _Round:
     #: Learners whose push was screened out, refused as stale or failed in transit: nothing more
     #: is expected of them this round (unless they are asked again).
     refused: set[str] = field(default_factory=set)
+    #: Learners that answered NOTHING_TO_PUSH: no contribution, and nothing more expected.
+    passed: set[str] = field(default_factory=set)
     quorum_at: float | None = None
     deadline: float | None = None
     merge_started_at: float | None = None
@@ -273,6 +299,7 @@ class Rounds:
             if rnd.state is RoundState.OPEN and learner not in rnd.pushes:
                 rnd.requested.add(learner)
                 rnd.refused.discard(learner)  # asked again: its answer is expected again
+                rnd.passed.discard(learner)
                 actions.append(Request(rnd.index, rnd.fragment, rnd.version, (learner,)))
         return actions
 
@@ -353,6 +380,7 @@ class Rounds:
         record = self.learners.get(push.learner)
         if record is not None:
             record.pushes += 1
+            self._record_lateness(record, push.round_index, push.step, push.apply_late)
         refusal = self._admission(push)
         if refusal is not None:
             self._count_wasted(push)
@@ -375,6 +403,32 @@ class Rounds:
             return self._refuse(Refusal.STALE_VERSION)
         rnd.admitted.add(push.learner)
         return None
+
+    def nothing_to_push(
+        self, learner: str, round_index: int, fragment: int, step: int, now: float
+    ) -> list[Action]:
+        """The learner answered a request with NOTHING_TO_PUSH (no step since its last push of the
+        fragment): the round no longer waits for it, and nothing of it is merged or counted wasted.
+        An answer for a round that did not ask it (or has ended) changes nothing."""
+        record = self.learners.get(learner)
+        rnd = self._open.get(round_index)
+        if record is None or rnd is None or rnd.fragment != fragment or learner not in rnd.requested:
+            return []
+        if learner in rnd.admitted or learner in rnd.pushes:
+            return []  # it pushed already: a contradicting answer does not undo the push
+        record.passes += 1
+        self._record_lateness(record, round_index, step, None)
+        rnd.passed.add(learner)
+        return self.tick(now)
+
+    def _record_lateness(
+        self, record: LearnerRecord, round_index: int, step: int | None, apply_late: int | None
+    ) -> None:
+        if step is not None:
+            due = due_step(round_index, self.config.sync_every, self.config.fragments)
+            record.snapshot_late.append(max(0, step - due))
+        if apply_late is not None:
+            record.apply_late.append(apply_late)
 
     def push_complete(self, push: Push, verdict: Verdict, now: float) -> list[Action]:
         """The whole push arrived and was screened. Accepted ones join their round, or the next
@@ -416,11 +470,19 @@ class Rounds:
         """Advance the clock, open the rounds it made due, and start the merges that are ready."""
         actions: list[Action] = []
         live = [r for r in self.learners.values() if r.live]
-        self.clock = quorum_clock((r.progress for r in live), self.config.quorum, self.clock)
         busy = {rnd.fragment for rnd in self._open.values()}
-        for opening in open_rounds(
-            self.clock, self.next_round, busy, self.config.sync_every, self.config.fragments
-        ):
+        if self.config.lockstep:
+            # The slowest live learner's own step: round r opens once every learner has reached
+            # its due step (and is waiting there for the request).
+            if live:
+                self.clock = quorum_clock((r.local_step for r in live), len(live), self.clock)
+            openings = self._lockstep_openings(busy)
+        else:
+            self.clock = quorum_clock((r.progress for r in live), self.config.quorum, self.clock)
+            openings = open_rounds(
+                self.clock, self.next_round, busy, self.config.sync_every, self.config.fragments
+            )
+        for opening in openings:
             self.next_round = opening.round_index + 1
             if opening.skipped:
                 continue
@@ -438,6 +500,20 @@ class Rounds:
             if rnd.state is RoundState.OPEN:
                 actions.extend(self._maybe_merge(rnd, now))
         return actions
+
+    def _lockstep_openings(self, busy: set[int]) -> list[RoundOpening]:
+        """Lock-step skips no round: the due rounds open in order, up to the first whose fragment
+        still has a round open (it opens once that one has ended)."""
+        openings: list[RoundOpening] = []
+        for round_index in range(
+            self.next_round, rounds_due(self.clock, self.config.sync_every, self.config.fragments)
+        ):
+            fragment = round_fragment(round_index, self.config.fragments)
+            if fragment in busy:
+                break
+            busy.add(fragment)
+            openings.append(RoundOpening(round_index, fragment, False))
+        return openings
 
     def next_deadline(self) -> float | None:
         """When tick must run next even if nothing arrives: the earliest grace deadline, or the
@@ -515,7 +591,8 @@ class Rounds:
         times = self._step_times(rnd)
         if not times:
             return None
-        return rnd.opened_at + max(self.config.sync_every * statistics.median_high(times), MIN_WAIT_S)
+        floor = LOCKSTEP_MIN_WAIT_S if self.config.lockstep else MIN_WAIT_S
+        return rnd.opened_at + max(self.config.sync_every * statistics.median_high(times), floor)
 
     def _release(self, push: Push, reason: str) -> Release:
         self._count_wasted(push)
@@ -563,10 +640,14 @@ class Rounds:
             expires_at = self._expires_at(rnd)
             # Once past, the moment leaves next_deadline: a round below quorum stays open after it
             # (K > 1 with fewer learners live), and the ticker must not spin on a past deadline.
+            # Lock-step learners step on while a push is in flight (tau >= 1, up to H): the clock
+            # moving on says nothing there, only the time does.
             rnd.waited_out = (expires_at is not None and now >= expires_at) or (
-                self.clock >= rnd.opened_clock + self.config.sync_every
+                not self.config.lockstep and self.clock >= rnd.opened_clock + self.config.sync_every
             )
-        waiting = set() if rnd.waited_out else rnd.requested - set(rnd.pushes) - rnd.refused
+        waiting = set() if rnd.waited_out else rnd.requested - set(rnd.pushes) - rnd.refused - rnd.passed
+        if self.config.lockstep and waiting:
+            return actions  # lock-step merges every asked learner's push, or waits out the round
         if not pushes and not waiting:
             # Everyone asked answered with a push that was screened out or failed, or left, or the
             # round waited a whole cycle for nothing: nothing can ever merge here. Closing the
@@ -578,7 +659,8 @@ class Rounds:
             return actions
         # Quorum counts the round's own answers while anyone is still expected; carried pushes
         # are merged with them (and alone only when nobody asked is left to answer).
-        if len({p.learner for p in (rnd.pushes.values() if waiting else pushes)}) < self.config.quorum:
+        quorum = 1 if self.config.lockstep else self.config.quorum
+        if len({p.learner for p in (rnd.pushes.values() if waiting else pushes)}) < quorum:
             return actions
         if rnd.quorum_at is None:
             rnd.quorum_at = now

@@ -43,6 +43,7 @@ from dilocod.wire.messages import (
     Error,
     FragmentRequest,
     Join,
+    NothingToPush,
     Plan,
     PushHeader,
     StatusRequest,
@@ -424,6 +425,7 @@ class SyncerService:
             self.rounds.config.sync_every,
             self.rounds.config.overlap,
             self.rounds.config.quorum,
+            self.rounds.next_round,
         )
 
     def _on_message(self, peer: _Peer, item: object) -> None:
@@ -436,6 +438,11 @@ class SyncerService:
                 )
         elif isinstance(item, FragmentReceived):
             self._on_push(peer, item)
+        elif isinstance(item, NothingToPush):
+            if peer.joined:
+                self._apply(
+                    self.rounds.nothing_to_push(peer.learner, item.round, item.fragment, item.step, now)
+                )
         elif isinstance(item, StatusRequest):
             if peer.session.is_open:  # a request read before its connection closed gets no answer
                 peer.session.control.reply(StatusResponse(self.status()))
@@ -475,7 +482,14 @@ class SyncerService:
                     f"plan's layout at {precision} has {expected}",
                 )
         push = Push(
-            peer.learner, header.round, header.fragment, header.base_version, header.c_steps, header.c_tokens
+            peer.learner,
+            header.round,
+            header.fragment,
+            header.base_version,
+            header.c_steps,
+            header.c_tokens,
+            header.step,
+            header.apply_late,
         )
         refusal = self.rounds.admit(push, self.clock())
         if refusal is not None:
@@ -791,6 +805,12 @@ class SyncerService:
                     "step_time_s": _finite(r.step_time.value or 0.0, 6),
                     "steps": r.steps,
                     "step": r.local_step,
+                    # Rounds answered with NOTHING_TO_PUSH (no step since the last push).
+                    "passes": r.passes,
+                    # Steps between a round's due step and this learner's snapshot, and between a
+                    # snapshot and the apply of its merge (as its pushes report them).
+                    "snapshot_late_steps": _quantiles(r.snapshot_late),
+                    "apply_late_steps": _quantiles(r.apply_late),
                     "tokens": r.tokens,
                     # Reported step time over wall time since the id first joined.
                     "goodput": _finite(r.goodput(now), 4),
@@ -801,6 +821,7 @@ class SyncerService:
             ],
             # Learners in the roster; the status lists STATUS_MAX_LEARNERS of them at most.
             "learners_total": len(rounds.learners),
+            "mode": "lock-step" if rounds.config.lockstep else "decoupled",
             "rounds_merged": rounds.rounds_merged,
             "rounds_abandoned": rounds.rounds_abandoned,
             "quorum_sizes": {str(k): v for k, v in sorted(rounds.quorum_sizes.items())},
@@ -825,7 +846,7 @@ def _finite(value: float, digits: int) -> float:
     return round(value, digits) if math.isfinite(value) else 0.0
 
 
-def _quantiles(samples: deque[float]) -> dict[str, float]:
+def _quantiles(samples: deque[float] | deque[int]) -> dict[str, float]:
     if not samples:
         return {"p50": 0.0, "p99": 0.0, "max": 0.0}
     ordered = sorted(samples)

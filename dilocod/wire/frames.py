@@ -35,6 +35,7 @@ class FrameType(IntEnum):
     FRAGMENT_ACK = 0x14
     JOIN = 0x15
     PLAN = 0x16
+    NOTHING_TO_PUSH = 0x17
     PING = 0x20
     PONG = 0x21
     STATUS_REQUEST = 0x22

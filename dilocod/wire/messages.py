@@ -29,6 +29,8 @@ U32_MAX = 2**32 - 1
 MAX_INCARNATION_BYTES = 128
 #: JOIN's learner instance, in at most this many UTF-8 bytes.
 MAX_INSTANCE_BYTES = 64
+#: PLAN's quorum for lock-step: every live learner (K = M).
+QUORUM_ALL = 0
 
 
 def _malformed(message: str) -> RemoteProtocolError:
@@ -74,6 +76,10 @@ class _Body:
         if choices is not None and value not in choices:
             raise _malformed(f"{self.name}.{key}: {value!r} not one of {choices}")
         return value
+
+    def optional_uint(self, key: str, maximum: int = U64_MAX) -> int | None:
+        """An optional uint field (SPEC §4.1): None when absent, checked like uint() when present."""
+        return self.uint(key, maximum) if key in self.raw else None
 
     def optional_text(self, key: str, max_bytes: int) -> str:
         """An optional str field (SPEC §4.1): "" when absent, checked like text() when present."""
@@ -286,7 +292,8 @@ class Join:
 @dataclass(frozen=True, slots=True)
 class Plan:
     """The syncer's answer to JOIN: its model, how it is cut into fragments, each fragment's
-    version, and the schedule (H = sync_every, tau = overlap, K = quorum)."""
+    version, and the schedule (H = sync_every, tau = overlap, K = quorum; quorum QUORUM_ALL is
+    lock-step: every live learner)."""
 
     TYPE: ClassVar[FrameType] = FrameType.PLAN
     incarnation: str
@@ -297,6 +304,13 @@ class Plan:
     sync_every: int
     overlap: int
     quorum: int
+    #: The first round the syncer may open after this PLAN (optional on the wire; 0 when absent):
+    #: a lock-step learner waits at a round's due step only for rounds from here on.
+    next_round: int = 0
+
+    @property
+    def lockstep(self) -> bool:
+        return self.quorum == QUORUM_ALL
 
     def to_body(self) -> dict[str, Any]:
         return {
@@ -307,6 +321,7 @@ class Plan:
             "sync_every": self.sync_every,
             "overlap": self.overlap,
             "quorum": self.quorum,
+            "next_round": self.next_round,
         }
 
     @classmethod
@@ -320,9 +335,10 @@ class Plan:
         sync_every = b.uint("sync_every", U32_MAX)
         overlap = b.uint("overlap", U32_MAX)
         quorum = b.uint("quorum", U32_MAX)
-        if sync_every < 1 or quorum < 1:
-            raise _malformed("PLAN: sync_every and quorum must be at least 1")
-        return cls(incarnation, model, fragments, tuple(versions), sync_every, overlap, quorum)
+        if sync_every < 1:
+            raise _malformed("PLAN: sync_every must be at least 1")
+        next_round = b.optional_uint("next_round") or 0
+        return cls(incarnation, model, fragments, tuple(versions), sync_every, overlap, quorum, next_round)
 
 
 def _parse_fragments(b: _Body, model: tuple[ModelEntry, ...], limits: Limits) -> tuple[tuple[str, ...], ...]:
@@ -408,9 +424,13 @@ class PushHeader(StreamHeader):
     base_version: int = 0
     c_steps: int = 0
     c_tokens: int = 0
+    #: Optional (None: not sent): the learner's step at the snapshot, and how many steps late it
+    #: applied the fragment's previous merge; the syncer's status reports both as lateness.
+    step: int | None = None
+    apply_late: int | None = None
 
     def to_body(self) -> dict[str, Any]:
-        return {
+        body = {
             **self.stream_body(),
             "fragment": self.fragment,
             "round": self.round,
@@ -418,6 +438,11 @@ class PushHeader(StreamHeader):
             "c_steps": self.c_steps,
             "c_tokens": self.c_tokens,
         }
+        if self.step is not None:
+            body["step"] = self.step
+        if self.apply_late is not None:
+            body["apply_late"] = self.apply_late
+        return body
 
     @classmethod
     def from_body(cls, b: _Body, limits: Limits) -> PushHeader:
@@ -428,6 +453,38 @@ class PushHeader(StreamHeader):
             base_version=b.uint("base_version"),
             c_steps=b.uint("c_steps", limits.max_reported_steps),
             c_tokens=b.uint("c_tokens", limits.max_push_tokens),
+            step=b.optional_uint("step", limits.max_reported_steps),
+            apply_late=b.optional_uint("apply_late", limits.max_reported_steps),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class NothingToPush:
+    """A learner's answer to FRAGMENT_REQUEST when it trained no step since its last push of the
+    fragment: no outer gradient follows, and the round need not wait for one."""
+
+    TYPE: ClassVar[FrameType] = FrameType.NOTHING_TO_PUSH
+    fragment: int
+    round: int
+    base_version: int
+    #: The learner's step at the boundary that answered.
+    step: int
+
+    def to_body(self) -> dict[str, Any]:
+        return {
+            "fragment": self.fragment,
+            "round": self.round,
+            "base_version": self.base_version,
+            "step": self.step,
+        }
+
+    @classmethod
+    def from_body(cls, b: _Body, limits: Limits) -> NothingToPush:
+        return cls(
+            b.uint("fragment", 2**32 - 1),
+            b.uint("round"),
+            b.uint("base_version"),
+            b.uint("step", limits.max_reported_steps),
         )
 
 
@@ -582,6 +639,7 @@ Message = (
     | Welcome
     | StepReport
     | FragmentRequest
+    | NothingToPush
     | Join
     | Plan
     | PushHeader
@@ -605,6 +663,7 @@ MESSAGE_TYPES: dict[FrameType, Any] = {
         Welcome,
         StepReport,
         FragmentRequest,
+        NothingToPush,
         Join,
         Plan,
         PushHeader,

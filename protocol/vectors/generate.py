@@ -54,6 +54,7 @@ from dilocod.wire.messages import (
     Hello,
     Join,
     Message,
+    NothingToPush,
     Ping,
     Plan,
     Pong,
@@ -510,6 +511,8 @@ def _transfers() -> tuple[_Transfer, _Transfer]:
             base_version=6,
             c_steps=24,
             c_tokens=98304,
+            step=3144,
+            apply_late=0,
         ),
     )
     mlp = float32_le([((i % 16) - 8) / 256 for i in range(8 * 16)])
@@ -543,7 +546,9 @@ def _join_and_plan() -> tuple[Join, Plan]:
         ("blocks.0.attn.weight",),
         ("blocks.0.mlp.weight", "blocks.0.attn.bias", "blocks.0.ln.weight"),
     )
-    plan = Plan("inc-0001", model, fragments, versions=(7, 6), sync_every=24, overlap=2, quorum=1)
+    plan = Plan(
+        "inc-0001", model, fragments, versions=(7, 6), sync_every=24, overlap=2, quorum=0, next_round=131
+    )
     return join, plan
 
 
@@ -619,6 +624,7 @@ def build_valid() -> dict[str, Any]:
         ("plan", plan, 0, client_control, received),
         ("step_report", StepReport(1200, 4_915_200, 0.25), 0, server_control, received),
         ("fragment_request", FragmentRequest(5, 130, 6), 0, client_control, received),
+        ("nothing_to_push", NothingToPush(5, 130, 6, 3144), 0, server_control, received),
         ("push_header", push.header, 1, server_control, received),
         ("fragment_end_push", FragmentEnd(len(push.chunks), push.digest), 1, server_control, received),
         ("fragment_ack_push", FragmentAck(), 1, client_control, received),
@@ -871,7 +877,13 @@ def _connection_vectors() -> list[dict[str, Any]]:
          plan_with(versions=[7, 6, 5])),
         ("plan_sync_every_zero", client_open, E.MALFORMED_BODY, "sync_every (H) 0",
          plan_with(sync_every=0)),
-        ("plan_quorum_zero", client_open, E.MALFORMED_BODY, "quorum (K) 0", plan_with(quorum=0)),
+        ("plan_quorum_negative", client_open, E.MALFORMED_BODY, "quorum (K) -1", plan_with(quorum=-1)),
+        ("plan_next_round_string", client_open, E.MALFORMED_BODY, "next_round is a str",
+         plan_with(next_round="131")),
+        ("nothing_to_push_missing_round", server_open, E.MALFORMED_BODY, "no round",
+         raw_frame(F.NOTHING_TO_PUSH, packb({"fragment": 5, "base_version": 6, "step": 3144}))),
+        ("push_header_negative_step", server_open, E.MALFORMED_BODY, "step -1",
+         raw_frame(F.PUSH_HEADER, packb({**push_body, "step": -1}), 1)),
         # --- handshake and authentication (SPEC §7)
         ("auth_response_wrong_mac", await_response, E.AUTH_FAILED, "32 zero bytes instead of the proof",
          raw_frame(F.AUTH_RESPONSE, packb({"mac": bytes(32)}))),

@@ -258,7 +258,8 @@ BAD_PLANS = [
     pytest.param({"versions": [1, "2"]}, ErrorCode.MALFORMED_BODY, id="str-version"),
     pytest.param({"versions": 1}, ErrorCode.MALFORMED_BODY, id="versions-not-an-array"),
     pytest.param({"sync_every": 0}, ErrorCode.MALFORMED_BODY, id="sync-every-0"),
-    pytest.param({"quorum": 0}, ErrorCode.MALFORMED_BODY, id="quorum-0"),
+    pytest.param({"quorum": -1}, ErrorCode.MALFORMED_BODY, id="quorum-negative"),
+    pytest.param({"next_round": "1"}, ErrorCode.MALFORMED_BODY, id="str-next-round"),
     pytest.param({"overlap": True}, ErrorCode.MALFORMED_BODY, id="bool-overlap"),
     pytest.param({"incarnation": "i" * 129}, ErrorCode.MALFORMED_BODY, id="incarnation-129-bytes"),
 ]
@@ -285,7 +286,7 @@ def test_join_fields() -> None:
     assert decode_body(FrameType.JOIN, encode_body(join), LIMITS) == join
     assert list(join.to_body()) == ["model", "incarnation", "instance"]
     assert list(PLAN.to_body()) == [
-        "incarnation", "model", "fragments", "versions", "sync_every", "overlap", "quorum",
+        "incarnation", "model", "fragments", "versions", "sync_every", "overlap", "quorum", "next_round",
     ]  # fmt: skip
     at_cap = Join(MODEL, "é" * 64)  # 128 bytes of UTF-8
     assert decode_body(FrameType.JOIN, encode_body(at_cap), LIMITS) == at_cap

@@ -128,7 +128,11 @@ class Rig:
 
     def manifest(self, fragment: int) -> tuple[TensorEntry, ...]:
         shapes = {n: p.shape for n, p in self.job.model.named_parameters()}
-        return tuple(pack_manifest([(n, "float32", shapes[n]) for n in self.fragments[fragment]])[0])
+        return self.manifest_of(self.fragments[fragment], shapes)
+
+    @staticmethod
+    def manifest_of(names: tuple[str, ...], shapes: Mapping[str, torch.Size]) -> tuple[TensorEntry, ...]:
+        return tuple(pack_manifest([(n, "float32", shapes[n]) for n in names])[0])
 
     def heal(self, versions: tuple[int, ...] = (3, 5), seed: int = 1) -> dict[str, Tensor]:
         """Post the plan and every fragment's global value as a heal; returns those values."""
@@ -159,6 +163,7 @@ def rig(
     state_dir: Path | None = None,
     join_timeout_s: float = DEADLINE_S,
     seed: int = 0,
+    quorum: int = 1,
 ) -> Rig:
     job = Job(seed)
     config = RuntimeConfig(
@@ -179,7 +184,7 @@ def rig(
         (3, 5),
         sync_every=2,
         overlap=overlap,
-        quorum=1,
+        quorum=quorum,
     )
     return Rig(job, bridge, loop, plan)
 
@@ -309,7 +314,7 @@ def test_request_snapshots_the_fragment_at_the_step_boundary() -> None:
     assert checksums == [checksum(bytes(want[i : i + chunk_bytes])) for i in range(0, len(want), chunk_bytes)]
 
 
-def test_counters_restart_at_adoption_per_fragment() -> None:
+def test_counters_restart_at_the_send_and_at_an_overwrite_per_fragment() -> None:
     r = rig()
     r.heal(versions=(3, 5))
     r.loop.boundary()
@@ -317,6 +322,7 @@ def test_counters_restart_at_adoption_per_fragment() -> None:
         r.loop.one_step()  # tokens 10, 11
     merged = r.update(1, 6, {n: torch.full(p.shape, 0.25) for n, p in r.job.model.named_parameters()})
     r.loop.boundary()
+    # The overwrite dropped fragment 1's local progress: its counters start again with it.
     assert [r.loop.counters(p) for p in (0, 1)] == [(2, 10 + 11), (0, 0)] and r.loop.versions[1] == 6
     for _ in range(3):
         r.loop.one_step()  # tokens 12, 13, 14
@@ -325,9 +331,15 @@ def test_counters_restart_at_adoption_per_fragment() -> None:
     r.loop.boundary()
     snapshots, _ = r.bridge.drain()
     got = {s.fragment: (s.base_version, s.c_steps, s.c_tokens) for s in snapshots}
-    # Mutation caught: not resetting c_steps/c_tokens in _apply (fragment 1 would count 5 / 60).
     assert got == {0: (3, 5, 10 + 11 + 12 + 13 + 14), 1: (6, 3, 12 + 13 + 14)}
     assert snapshots[1].anchor is merged and snapshots[0].anchor is r.heal_buffers[0]
+    # And at the send: the next push of fragment 0 counts only the steps after this one.
+    assert [r.loop.counters(p) for p in (0, 1)] == [(0, 0), (0, 0)]
+    r.loop.one_step()  # tokens 15
+    r.bridge.post_request(FragmentRequest(0, 10, 3))
+    r.loop.boundary()
+    (snap,), _ = r.bridge.drain()
+    assert (snap.c_steps, snap.c_tokens) == (1, 15)
 
 
 @pytest.mark.parametrize("apply", ["overwrite", "mix", "keep-local"])
@@ -350,9 +362,15 @@ def test_a_request_overtaken_by_its_fragments_update_is_answered_first(apply: st
     r.loop.boundary()
     snapshots, _ = r.bridge.drain()
     got = {s.fragment: (s.base_version, s.c_steps, s.c_tokens) for s in snapshots}
-    assert got == {0: (3, 3, 10 + 11 + 12), 1: (6, 0, 0)}
-    (first,) = [s for s in snapshots if s.fragment == 0]
-    assert bytes(first.theta) == bytes(pack(r.fragments[0], before))
+    # Fragment 1's request is answered after its update: an overwrite (keep-local with nothing
+    # sent is one) dropped its 3 steps, leaving nothing to push; mix keeps them, and so does its push.
+    if apply == "mix":
+        # Mix keeps the steps through the apply: applies come first, and the push follows.
+        assert got == {0: (4, 3, 10 + 11 + 12), 1: (6, 3, 10 + 11 + 12)}
+    else:
+        assert got == {0: (3, 3, 10 + 11 + 12), 1: (6, 0, 0)}
+        (first,) = [s for s in snapshots if s.fragment == 0]
+        assert bytes(first.theta) == bytes(pack(r.fragments[0], before))
     assert r.loop.versions == {0: 4, 1: 6}
     if apply == "overwrite":
         assert_params(r.job, r.of(0, merged))
@@ -410,7 +428,7 @@ def test_keep_local_keeps_the_steps_taken_while_the_fragment_was_away() -> None:
     r.heal()
     r.loop.boundary()
     r.loop.one_step()
-    r.bridge.post_request(FragmentRequest(0, 2, 3))
+    r.bridge.post_request(FragmentRequest(0, 0, 3))  # round 0, due at step 1
     r.loop.boundary()
     sent = r.job.params()
     (snap,), _ = r.bridge.drain()
@@ -481,49 +499,116 @@ def test_a_bad_step_result_names_the_entry_and_the_step(bad: object, match: str)
     assert r.loop.step_index == 2
 
 
-# ---------------------------------------------------------------------------- lock-step (tau = 0)
+# ---------------------------------------------------------------------------- lock-step (PLAN quorum 0)
+# The rig's plan: P = 2, H = 2, so round r syncs fragment r mod 2 and is due at step r + 1.
 
 
-def test_lockstep_waits_for_the_merged_fragment_before_the_next_step() -> None:
-    r = rig(overlap=0, steps=2)
+class SyncerBridge(Bridge):
+    """A Bridge whose wait() plays a lock-step syncer on the spot (the loop waits only when it
+    needs the next round's request or the merge of what it pushed): it answers with that, and
+    records at which step the loop waited and what it had sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.r: Rig | None = None
+        self.merged: Mapping[str, Tensor] = {}
+        self.next_round = 0
+        self.versions: dict[int, int] = {}
+        self.waits: list[tuple[int, str]] = []  # (steps taken, what was posted)
+        self.pushes: list[Any] = []
+
+    def wait(self, timeout_s: float) -> None:
+        r = self.r
+        assert r is not None
+        snapshots, _ = self.drain()
+        self.pushes.extend(snapshots)
+        steps = len(r.job.seen)
+        if snapshots:
+            for snap in snapshots:
+                self.versions[snap.fragment] += 1
+                r.update(snap.fragment, self.versions[snap.fragment], r.of(snap.fragment, self.merged))
+            self.waits.append((steps, "merge"))
+        else:
+            fragment = self.next_round % 2
+            self.post_request(FragmentRequest(fragment, self.next_round, self.versions[fragment]))
+            self.waits.append((steps, f"request {self.next_round}"))
+            self.next_round += 1
+
+
+def lockstep_run(overlap: int, steps: int) -> tuple[Rig, SyncerBridge]:
+    r = rig(overlap=overlap, steps=steps, quorum=0)
+    bridge = SyncerBridge()
+    r.bridge = r.loop.bridge = bridge
     r.heal(versions=(3, 5))
-    r.bridge.post_request(FragmentRequest(0, 1, 3))
-    main = threading.current_thread()
-    seen: dict[str, Any] = {}
-    merged = {n: torch.randn(p.shape) for n, p in r.job.model.named_parameters()}
-
-    def network() -> None:
-        until(lambda: waiting_in(main, TrainingLoop._wait_for_merges), "the loop to wait for its merge")
-        seen["steps_while_waiting"] = len(r.job.seen)
-        seen["snapshots"], _ = r.bridge.drain()
-        r.update(0, 4, merged)
-
-    thread, failures = network_thread(network)
+    bridge.r, bridge.versions = r, dict(enumerate(r.plan.versions))
+    bridge.merged = {n: torch.full(p.shape, 0.125) for n, p in r.job.model.named_parameters()}
     r.loop.run(threading.Event())
-    thread.join(DEADLINE_S)
-    assert not failures, failures
-    assert [s.fragment for s in seen["snapshots"]] == [0]
-    # Mutation caught (and a bug this test found): waiting after the step that follows the push
-    # instead of before it, so that step ran on the pre-merge fragment and was then overwritten.
-    assert seen["steps_while_waiting"] == 0
+    return r, bridge
+
+
+def test_lockstep_tau0_snapshots_at_the_due_step_and_waits_for_the_merge_before_the_next_step() -> None:
+    r, syncer = lockstep_run(overlap=0, steps=3)
+    # Round r is due at step r + 1: the loop waited there for its request, then for its merge,
+    # before taking another step. Mutation caught: a step between the push and the merge (tau = 1).
+    assert syncer.waits == [
+        (1, "request 0"),
+        (1, "merge"),
+        (2, "request 1"),
+        (2, "merge"),
+        (3, "request 2"),
+        (3, "merge"),
+    ]
+    assert [(p.fragment, p.round, p.step, p.c_steps) for p in syncer.pushes] == [
+        (0, 0, 1, 1),
+        (1, 1, 2, 2),
+        (0, 2, 3, 2),
+    ]
+    # The step after each sync starts from the merged fragment.
     for name in r.fragments[0]:
-        assert torch.equal(r.job.seen[0][name], merged[name]), name
-    assert r.loop.awaiting == set() and r.loop.versions[0] == 4 and len(r.job.seen) == 2
+        assert torch.equal(r.job.seen[1][name], syncer.merged[name]), name
+    for name in r.fragments[1]:
+        assert torch.equal(r.job.seen[2][name], syncer.merged[name]), name
+    assert r.loop.lateness.late_snapshots == 0 and r.loop.lateness.late_applies == 0
+    assert r.loop.in_flight == {}
+
+
+def test_lockstep_tau2_applies_exactly_tau_steps_after_the_snapshot() -> None:
+    r, syncer = lockstep_run(overlap=2, steps=4)
+    # The merge of round 0 (pushed at step 1) came at once but is held to step 3.
+    assert [(p.fragment, p.round, p.step) for p in syncer.pushes][:2] == [(0, 0, 1), (1, 1, 2)]
+    merged0 = r.of(0, syncer.merged)
+    for index, seen in enumerate(r.job.seen):  # seen[i]: the parameters step i + 1 started from
+        applied = index >= 3  # applied at the boundary of step 3, before step 4
+        for name in merged0:
+            assert torch.equal(seen[name], merged0[name]) == applied, (index, name)
+    assert r.loop.lateness.late_snapshots == 0 and r.loop.lateness.late_applies == 0
 
 
 def test_lockstep_gives_up_after_join_timeout() -> None:
     timeout_s = 0.3
-    r = rig(overlap=0, steps=1, join_timeout_s=timeout_s)
+    r = rig(overlap=0, steps=2, join_timeout_s=timeout_s, quorum=0)
+    r.heal()
+    r.bridge.post_request(FragmentRequest(0, 0, 3))
+    started = time.monotonic()
+    r.loop.run(threading.Event())  # no merge ever comes back, nor the next round's request
+    assert len(r.job.seen) == 2
+    waited = time.monotonic() - started
+    assert r.loop.given_up == {0}
+    # Two waits (round 0's merge at step 1, round 1's request at step 2), each bounded; the merge
+    # given up is not waited for again.
+    assert waited >= 2 * timeout_s
+    # Mutation caught: waiting in whole seconds past the deadline (bridge.wait(1.0) unbounded).
+    assert waited < 2 * timeout_s + 1.0
+
+
+def test_decoupled_tau0_never_waits() -> None:
+    r = rig(overlap=0, steps=3, join_timeout_s=DEADLINE_S)
     r.heal()
     r.bridge.post_request(FragmentRequest(1, 1, 5))
     started = time.monotonic()
-    r.loop.run(threading.Event())  # no merge ever comes back
-    waited = r.job.started_at[0] - started
-    assert r.loop.awaiting == set()
-    assert waited >= timeout_s
-    # Mutation caught: waiting in whole seconds past the deadline (bridge.wait(1.0) unbounded).
-    assert waited < timeout_s + 0.6
-    assert len(r.job.seen) == 1
+    r.loop.run(threading.Event())  # the merge never comes back: training goes on regardless
+    assert time.monotonic() - started < DEADLINE_S / 2
+    assert len(r.job.seen) == 3 and r.loop.awaiting == {1}
 
 
 def test_overlap_never_waits() -> None:
@@ -534,6 +619,24 @@ def test_overlap_never_waits() -> None:
     r.loop.run(threading.Event())  # the merge never comes back: training goes on regardless
     assert time.monotonic() - started < DEADLINE_S / 2
     assert len(r.job.seen) == 3 and r.loop.awaiting == {1}
+
+
+def test_decoupled_request_is_held_to_its_due_step_and_lateness_is_counted() -> None:
+    r = rig()
+    r.heal(versions=(3, 5))
+    r.loop.boundary()
+    r.bridge.post_request(FragmentRequest(1, 1, 5))  # round 1: due at step 2
+    r.loop.boundary()
+    r.loop.one_step()
+    r.loop.boundary()
+    assert r.bridge.drain()[0] == []  # held: step 1 < 2
+    r.loop.one_step()
+    r.loop.one_step()
+    r.loop.boundary()
+    (snap,), _ = r.bridge.drain()
+    assert (snap.round, snap.step) == (1, 3)
+    assert r.loop.lateness.summary()["late_snapshots"] == 1
+    assert list(r.loop.lateness.snapshots) == [1]
 
 
 # ---------------------------------------------------------------------------- local state
@@ -647,3 +750,106 @@ def test_a_failed_save_does_not_hide_the_steps_exception(tmp_path: Path) -> None
         r.loop.run(threading.Event())
     (record,) = [r for r in logs if r["log_level"] == "error"]
     assert "local state not saved" in record["event"] and "['rng']" in record["error"]
+
+
+# ---------------------------------------------------------------------------- counters = outer gradient
+
+#: The constant step of ConstantJob: every parameter moves by -STEP_DELTA per step, exactly.
+STEP_DELTA = 0.5
+TOKENS_PER_STEP = 7
+
+
+class ConstantJob:
+    """A training whose every step moves every parameter by exactly -STEP_DELTA: an outer gradient
+    then says how many steps it holds (δ / STEP_DELTA per value)."""
+
+    def __init__(self) -> None:
+        self.model = nn.Linear(3, 2)
+        with torch.no_grad():
+            for param in self.model.parameters():
+                param.zero_()
+
+    def step(self, index: int) -> StepResult:
+        with torch.no_grad():
+            for param in self.model.parameters():
+                param.sub_(STEP_DELTA)
+        return StepResult(tokens=TOKENS_PER_STEP, loss=0.0)
+
+    def trainer(self) -> Trainer:
+        return Trainer(self.model, None, self.step)
+
+
+@pytest.mark.parametrize("apply", ["keep-local", "mix"])
+def test_every_push_holds_exactly_the_steps_and_tokens_it_reports(apply: str) -> None:
+    """The syncer here sends back what was pushed (Θ_new = θ_sent), late, sometimes at the very
+    boundary of the fragment's next request: the case where main pushed 0 steps (weight 0) and
+    the next keep-local apply dropped them. Every push must report the steps since the fragment's
+    last push, hold exactly those (keep-local: δ = steps · STEP_DELTA; mix keeps alpha of those
+    taken while the fragment was away), and none may report 0 steps."""
+    alpha = 0.5
+    job = ConstantJob()
+    config = RuntimeConfig(entry=ENTRY, apply=apply, mix_alpha=alpha)
+    bridge = Bridge()
+    loop = TrainingLoop(config, job.trainer(), bridge, CPU, "m0")
+    fragments = (("weight",), ("bias",))
+    plan = Plan(INCARNATION, model_entries(job.model), fragments, (0, 0), 2, 2, 1)
+    shapes = {n: p.shape for n, p in job.model.named_parameters()}
+    bridge.post_plan(plan)
+    zeros = {n: torch.zeros(s) for n, s in shapes.items()}
+    for fragment, names in enumerate(fragments):
+        bridge.post_update(Adopt(fragment, 0, pack(names, zeros), True, INCARNATION))
+    loop.boundary()
+    versions = {0: 0, 1: 0}
+    # (step, what happens at its boundary): r = request of fragment f; u = the merge of its last push.
+    script = {
+        1: ["r0"], 2: ["r1"], 3: ["u0", "r0"], 4: ["u1"], 5: ["r1"], 6: ["u0"], 7: ["r0", "u1", "r1"],
+        9: ["u0"], 10: ["r0"], 11: ["r1", "u1"], 12: ["u0", "r0"],
+    }  # fmt: skip
+    pushed: dict[int, Any] = {}
+    trained_since: dict[int, int] = {0: 0, 1: 0}
+    in_flight: dict[int, int] = {}  # fragment -> steps taken since its push, while unapplied
+    applied: dict[int, int] = {}  # fragment -> steps its merge was away, applied since its last push
+    checked = 0
+    round_index = 0
+    for step in range(1, 13):
+        loop.one_step()
+        for fragment in (0, 1):
+            trained_since[fragment] += 1
+            if fragment in in_flight:
+                in_flight[fragment] += 1
+        for event in script.get(step, []):
+            fragment = int(event[1])
+            if event[0] == "u":
+                snap = pushed[fragment]
+                versions[fragment] += 1
+                bridge.post_update(
+                    Adopt(fragment, versions[fragment], bytearray(snap.theta), False, INCARNATION)
+                )
+                applied[fragment] = in_flight.pop(fragment)
+            else:
+                bridge.post_request(FragmentRequest(fragment, round_index, versions[fragment]))
+                round_index += 1
+        loop.boundary()
+        for snap in bridge.drain()[0]:
+            fragment = snap.fragment
+            assert snap.c_steps > 0, "a push of no steps"
+            assert (snap.c_steps, snap.c_tokens) == (
+                trained_since[fragment],
+                TOKENS_PER_STEP * trained_since[fragment],
+            )
+            _, delta, _ = compute_push(snap, Rig.manifest_of(fragments[fragment], shapes), 64)
+            held = torch.frombuffer(bytearray(delta), dtype=torch.float32)[
+                : shapes[fragments[fragment][0]].numel()
+            ]
+            if apply == "keep-local" or fragment not in applied:
+                want = snap.c_steps * STEP_DELTA
+            else:
+                # mix: θ ← alpha·θ + (1 - alpha)·θ_sent keeps alpha of the steps taken in flight.
+                away = applied.pop(fragment)
+                want = (alpha * away + (snap.c_steps - away)) * STEP_DELTA
+            torch.testing.assert_close(held, torch.full_like(held, want), rtol=0, atol=1e-6)
+            pushed[fragment] = snap
+            trained_since[fragment] = 0
+            in_flight[fragment] = 0
+            checked += 1
+    assert checked == 9 and loop.progress.passes == 0

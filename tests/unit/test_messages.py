@@ -47,6 +47,7 @@ from dilocod.wire.messages import (
     Hello,
     Join,
     Message,
+    NothingToPush,
     Ping,
     Plan,
     Pong,
@@ -157,7 +158,8 @@ def plans(draw: st.DrawFn) -> Plan:
         tuple(draw(st.lists(uint(U64), min_size=len(fragments), max_size=len(fragments)))),
         draw(st.integers(1, U32)),
         draw(uint(U32)),
-        draw(st.integers(1, U32)),
+        draw(uint(U32)),  # 0: lock-step (QUORUM_ALL)
+        draw(uint(U64)),
     )
 
 
@@ -174,6 +176,8 @@ def push_headers(draw: st.DrawFn) -> PushHeader:
         base_version=draw(uint(U64)),
         c_steps=draw(uint(LIMITS.max_reported_steps)),
         c_tokens=draw(uint(LIMITS.max_push_tokens)),
+        step=draw(st.none() | uint(LIMITS.max_reported_steps)),
+        apply_late=draw(st.none() | uint(LIMITS.max_reported_steps)),
     )
 
 
@@ -218,6 +222,7 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
         st.floats(0, LIMITS.max_step_time_s) | st.just(LIMITS.max_step_time_s),
     ),
     FragmentRequest: st.builds(FragmentRequest, uint(U32), uint(U64), uint(U64)),
+    NothingToPush: st.builds(NothingToPush, uint(U32), uint(U64), uint(U64), uint(LIMITS.max_reported_steps)),
     Join: st.builds(Join, models(), text(MAX_INCARNATION_BYTES)),
     Plan: plans(),
     PushHeader: push_headers(),
@@ -247,6 +252,10 @@ def test_round_trip(cls: type, data: st.DataObject) -> None:
     back = decode_body(cls.TYPE, encode_body(message), LIMITS)
     assert type(back) is cls
     assert back == message
+
+
+#: A NOTHING_TO_PUSH to break field by field.
+PASS = NothingToPush(1, 2, 3, 4)
 
 
 def body(message: Message, **changes: object) -> bytes:
@@ -331,7 +340,10 @@ MALFORMED = [
     pytest.param(FrameType.PLAN, body(PLAN, sync_every=0), id="plan-sync-every-0"),
     pytest.param(FrameType.PLAN, body(PLAN, sync_every=U32 + 1), id="plan-sync-every-above-u32"),
     pytest.param(FrameType.PLAN, body(PLAN, overlap=-1), id="plan-negative-overlap"),
-    pytest.param(FrameType.PLAN, body(PLAN, quorum=0), id="plan-quorum-0"),
+    pytest.param(FrameType.PLAN, body(PLAN, quorum=-1), id="plan-negative-quorum"),
+    pytest.param(FrameType.PLAN, body(PLAN, next_round=-1), id="plan-negative-next-round"),
+    pytest.param(FrameType.NOTHING_TO_PUSH, body(PASS, step=KeyError), id="pass-no-step"),
+    pytest.param(FrameType.NOTHING_TO_PUSH, body(PASS, round=-1), id="pass-negative-round"),
     pytest.param(FrameType.PLAN, body(PLAN, quorum=1.0), id="plan-float-quorum"),
     pytest.param(
         FrameType.FRAGMENT_END,

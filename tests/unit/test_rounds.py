@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from dilocod.outer import merge_weights
 from dilocod.outer.guard import ACCEPTED, NON_FINITE, Verdict
 from dilocod.syncer.rounds import (
+    LOCKSTEP_MIN_WAIT_S,
     MAX_GONE_LEARNERS,
     MAX_TOTAL,
     Merge,
@@ -23,6 +24,7 @@ from dilocod.syncer.rounds import (
     RoundConfig,
     Rounds,
 )
+from dilocod.wire.messages import QUORUM_ALL
 
 OK = Verdict(True, ACCEPTED, 1.0, None)
 BAD = Verdict(False, NON_FINITE, math.nan, None)
@@ -57,7 +59,8 @@ def first_round(rounds: Rounds, now: float = 0.0, step_time_s: float = 1.0) -> R
 
 def test_config_is_checked() -> None:
     with pytest.raises(ValueError, match="quorum"):
-        RoundConfig(quorum=0)
+        RoundConfig(quorum=-1)
+    assert RoundConfig(quorum=QUORUM_ALL).lockstep and not RoundConfig(quorum=1).lockstep
     with pytest.raises(ValueError, match="grace_factor"):
         RoundConfig(grace_factor=math.inf)
     with pytest.raises(ValueError, match="versions"):
@@ -752,3 +755,86 @@ def test_a_restored_learner_keeps_the_time_since_it_left() -> None:
     assert rounds.learners["a"].idle_s(1000.0) == 300.0
     assert rounds.forget_gone(1000.0, retention_s=301.0) == []
     assert rounds.forget_gone(1002.0, retention_s=301.0) == ["a"]
+
+
+# ---------------------------------------------------------------------------- lock-step (QUORUM_ALL)
+
+
+def lockstep_step(rounds: Rounds, learner: str, now: float, step_time_s: float = 0.05) -> list:
+    """One step report of `learner` with its own step counter, as the service passes it."""
+    record = rounds.learners[learner]
+    return rounds.step(learner, 10, step_time_s, now, local_step=record.local_step + 1)
+
+
+def test_lockstep_opens_a_round_when_the_slowest_learner_reaches_its_due_step() -> None:
+    config = RoundConfig(fragments=2, sync_every=4, quorum=QUORUM_ALL, overlap=0)
+    rounds = started(config, ("fast", "slow"))
+    # Round 0 is due at step ceil(1 * 4 / 2) = 2; the fast learner there alone opens nothing.
+    for step in range(3):
+        assert of(Request, lockstep_step(rounds, "fast", now=0.1 * step)) == []
+    assert of(Request, lockstep_step(rounds, "slow", now=1.0)) == []
+    (request,) = of(Request, lockstep_step(rounds, "slow", now=2.0))
+    assert (request.round_index, request.fragment, request.learners) == (0, 0, ("fast", "slow"))
+
+
+def test_lockstep_merges_only_once_every_asked_learner_answered_and_with_no_grace() -> None:
+    config = RoundConfig(fragments=1, sync_every=2, quorum=QUORUM_ALL, overlap=0)
+    rounds = started(config, ("a", "b", "c"))
+    for learner in ("a", "b", "c"):
+        for _ in range(2):
+            actions = lockstep_step(rounds, learner, now=0.0)
+    (request,) = of(Request, actions)
+    for learner in ("a", "b"):
+        assert rounds.admit(push_for(request, learner), now=1.0) is None
+        assert of(Merge, rounds.push_complete(push_for(request, learner), OK, now=1.0)) == []
+    # Long after the decoupled grace window and cycle (H = 2 steps of 0.05 s), still waiting for c.
+    assert of(Merge, rounds.tick(now=20.0)) == []
+    # c has nothing new: NOTHING_TO_PUSH answers for it, and the round merges a and b at once.
+    (merge,) = of(Merge, rounds.nothing_to_push("c", request.round_index, request.fragment, 2, now=20.5))
+    assert [p.learner for p in merge.pushes] == ["a", "b"] and merge.weights == (0.5, 0.5)
+    assert merge.grace_waited_s == 0.0
+    record = rounds.learners["c"]
+    assert (record.passes, record.pushes, record.pushes_wasted) == (1, 0, 0)
+    assert "c" not in {p.learner for p in merge.pushes} and sum(rounds.rejected.values()) == 0
+
+
+def test_lockstep_gives_a_silent_learner_up_after_the_lockstep_wait() -> None:
+    config = RoundConfig(fragments=1, sync_every=2, quorum=QUORUM_ALL, overlap=0)
+    rounds = started(config, ("a", "b"))
+    for learner in ("a", "b"):
+        for _ in range(2):
+            actions = lockstep_step(rounds, learner, now=0.0)
+    (request,) = of(Request, actions)
+    rounds.admit(push_for(request, "a"), now=0.0)
+    assert of(Merge, rounds.push_complete(push_for(request, "a"), OK, now=0.0)) == []
+    assert rounds.next_deadline() == LOCKSTEP_MIN_WAIT_S
+    (merge,) = of(Merge, rounds.tick(now=LOCKSTEP_MIN_WAIT_S))
+    assert [p.learner for p in merge.pushes] == ["a"]
+
+
+def test_lockstep_never_skips_a_round_of_a_busy_fragment() -> None:
+    """Decoupled skips a round whose fragment still has one open; lock-step opens it once the
+    earlier one has ended, so every learner's round r is the syncer's round r."""
+    config = RoundConfig(fragments=1, sync_every=1, quorum=QUORUM_ALL, overlap=1)
+    rounds = started(config, ("a",))
+    (first,) = of(Request, lockstep_step(rounds, "a", now=0.0))
+    assert of(Request, lockstep_step(rounds, "a", now=0.1)) == []  # round 1 due, fragment 0 busy
+    assert rounds.next_round == 1
+    rounds.admit(push_for(first, "a"), now=0.2)
+    (merge,) = of(Merge, rounds.push_complete(push_for(first, "a"), OK, now=0.2))
+    rounds.merged(merge.round_index, now=0.3)
+    (second,) = of(Request, rounds.tick(now=0.3))
+    assert (second.round_index, second.version) == (1, 1)
+
+
+def test_lateness_of_snapshots_and_applies_is_kept_per_learner() -> None:
+    config = RoundConfig(fragments=2, sync_every=4, quorum=1)
+    rounds = started(config, ("a",))
+    rounds.step("a", 10, 1.0, now=0.0)
+    (request,) = of(Request, rounds.step("a", 10, 1.0, now=1.0))  # round 0, due at step 2
+    push = Push("a", 0, 0, request.version, 2, 20, step=5, apply_late=1)
+    assert rounds.admit(push, now=2.0) is None
+    record = rounds.learners["a"]
+    assert list(record.snapshot_late) == [3] and list(record.apply_late) == [1]
+    # A pass for a round that did not ask it changes nothing (and counts nothing).
+    assert rounds.nothing_to_push("a", 7, 1, 9, now=3.0) == [] and record.passes == 0

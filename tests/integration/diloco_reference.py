@@ -208,7 +208,7 @@ class Round:
     deltas: list[dict[str, Tensor]]  # per learner
     tokens: list[int]  # per learner, since its previous snapshot of the fragment
     steps: list[int]
-    weights: list[float]
+    weights: list[float]  # of the learners merged, in their order
     merged: dict[str, Tensor]  # Δ
     version: int  # the fragment's version after this round
 
@@ -234,10 +234,16 @@ def merge_fragment(
 
 
 def reference_streaming(
-    initial: Mapping[str, Tensor], learners: Sequence[Learner], flags: Flags, steps: int
+    initial: Mapping[str, Tensor],
+    learners: Sequence[Learner],
+    flags: Flags,
+    steps: int,
+    contributors: Callable[[int], Sequence[int]] | None = None,
 ) -> Run:
     """Lock-step Streaming DiLoCo for `steps` inner steps of every learner (see the module text).
-    The learners are trained in place; they must start at `initial`."""
+    The learners are trained in place; they must start at `initial`. contributors(r) names the
+    learners (by index) whose δ round r merges: every learner unless given (a run's last rounds,
+    still in flight when the learners stopped, may have merged fewer)."""
     if flags.overlap >= flags.sync_every:
         raise ValueError(f"tau ({flags.overlap}) must be below H ({flags.sync_every})")
     merge = MERGES[flags.merge]
@@ -278,8 +284,9 @@ def reference_streaming(
             counted = [since_send[m][p][1] for m in range(len(learners))]
             for m in range(len(learners)):
                 since_send[m][p] = (0, 0)
-            weights = merge_weights(tokens, counted)
-            merged = merge_fragment(merge, deltas, weights)
+            taken = list(range(len(learners))) if contributors is None else list(contributors(r))
+            weights = merge_weights([tokens[m] for m in taken], [counted[m] for m in taken])
+            merged = merge_fragment(merge, [deltas[m] for m in taken], weights)
             values = outer.step(p, merged)
             version = len(outer.versions[p]) - 1
             rounds.append(

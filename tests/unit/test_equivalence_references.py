@@ -229,3 +229,16 @@ def test_the_references_tell_apart_what_the_tolerance_must() -> None:
         Flags(fragments=4, sync_every=16, overlap=2, merge="mean", apply="mix"),
     ):
         assert _max_error(run(other), want) > 100 * TOLERANCE, other
+
+
+def test_rounds_merge_only_the_learners_named() -> None:
+    """Merging learner 0 alone in every round gives the run of learner 0 alone: the other one
+    trains and applies the merges but never reaches the global model."""
+    initial, flags = _mlp_initial(), Flags(fragments=4, sync_every=8, overlap=2, merge="rda")
+    alone = reference_streaming(initial, _mlp_learners((1,)), flags, 17)
+    named = reference_streaming(initial, _mlp_learners((1, 2)), flags, 17, contributors=lambda r: [0])
+    for p, history in enumerate(alone.outer.versions):
+        for version, values in enumerate(history):
+            for name, value in values.items():
+                assert torch.equal(named.outer.versions[p][version][name], value), (p, version, name)
+    assert all(r.weights == [1.0] for r in named.rounds)

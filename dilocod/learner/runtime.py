@@ -618,6 +618,8 @@ class TrainingLoop:
             incarnation=self.incarnation,
             versions=[self.versions.get(p) for p in fragments],
             digests=[f"{checksum(self.anchors[p]):016x}" if p in self.anchors else None for p in fragments],
+            # How late (steps) its snapshots and applies were over the whole run: 0 in lock-step.
+            **self.lateness.summary(),
         )
 
     def _report_progress(self, now: float) -> None:

@@ -277,12 +277,27 @@ class Rounds:
         self._carried: dict[int, dict[str, Push]] = {}  # by fragment: late pushes, by learner
         self._quorum_time = _Ema(config.ema_alpha)
         self._sync_time = _Ema(config.ema_alpha)
+        #: Learners sent a PLAN and not healed yet: lock-step opens no round meanwhile, so that
+        #: every round from the PLAN's next_round on asks them.
+        self.joining: set[str] = set()
 
     # ------------------------------------------------------------------ roster
+
+    def begin_join(self, learner: str) -> int:
+        """A learner is being sent its PLAN: the round its schedule starts at (PLAN next_round).
+        Lock-step opens no round until it has joined (join) or its session ended (end_join)."""
+        self.joining.add(learner)
+        return self.next_round
+
+    def end_join(self, learner: str, now: float) -> list[Action]:
+        """A session that was sent a PLAN ended before its learner healed."""
+        self.joining.discard(learner)
+        return self.tick(now)
 
     def join(self, learner: str, now: float) -> list[Action]:
         """A learner is live (connected and healed): it counts for the clock from here, and is
         asked for every fragment whose round is still collecting."""
+        self.joining.discard(learner)
         record = self.learners.get(learner)
         if record is None:
             record = LearnerRecord(learner, True, self.clock, _Ema(self.config.ema_alpha))
@@ -301,7 +316,7 @@ class Rounds:
                 rnd.refused.discard(learner)  # asked again: its answer is expected again
                 rnd.passed.discard(learner)
                 actions.append(Request(rnd.index, rnd.fragment, rnd.version, (learner,)))
-        return actions
+        return [*actions, *self.tick(now)] if self.config.lockstep else actions
 
     def leave(self, learner: str, now: float) -> list[Action]:
         """A learner is gone: it is simply absent from the rounds (its completed pushes stay)."""
@@ -503,8 +518,11 @@ class Rounds:
 
     def _lockstep_openings(self, busy: set[int]) -> list[RoundOpening]:
         """Lock-step skips no round: the due rounds open in order, up to the first whose fragment
-        still has a round open (it opens once that one has ended)."""
+        still has a round open (it opens once that one has ended), and none while a learner is
+        healing (begin_join)."""
         openings: list[RoundOpening] = []
+        if self.joining:
+            return openings
         for round_index in range(
             self.next_round, rounds_due(self.clock, self.config.sync_every, self.config.fragments)
         ):

@@ -397,7 +397,7 @@ class SyncerService:
             heals=len(self.model.fragments),
         )
         try:
-            await session.send(self._plan())
+            await session.send(self._plan(learner))
             peer.pending.update(dict.fromkeys(range(len(self.model.fragments))))
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._send_updates(peer), name=f"updates {learner}")
@@ -409,6 +409,8 @@ class SyncerService:
                 del self.peers[learner]
                 if peer.joined:
                     self._apply(self.rounds.leave(learner, self.clock()))
+                else:
+                    self._apply(self.rounds.end_join(learner, self.clock()))
             log.info("learner left", learner=learner, reason=session.close_reason)
 
     async def _join_when_healed(self, peer: _Peer) -> None:
@@ -416,7 +418,8 @@ class SyncerService:
         peer.joined = True
         self._apply(self.rounds.join(peer.learner, self.clock()))
 
-    def _plan(self) -> Plan:
+    def _plan(self, learner: str) -> Plan:
+        next_round = self.rounds.begin_join(learner)
         return Plan(
             self.incarnation,
             tuple(self._specs),
@@ -425,7 +428,7 @@ class SyncerService:
             self.rounds.config.sync_every,
             self.rounds.config.overlap,
             self.rounds.config.quorum,
-            self.rounds.next_round,
+            next_round,
         )
 
     def _on_message(self, peer: _Peer, item: object) -> None:

@@ -838,3 +838,28 @@ def test_lateness_of_snapshots_and_applies_is_kept_per_learner() -> None:
     assert list(record.snapshot_late) == [3] and list(record.apply_late) == [1]
     # A pass for a round that did not ask it changes nothing (and counts nothing).
     assert rounds.nothing_to_push("a", 7, 1, 9, now=3.0) == [] and record.passes == 0
+
+
+def test_lockstep_opens_no_round_while_a_learner_heals() -> None:
+    """A learner sent its PLAN (next_round N) is asked for every round from N on: none opens
+    and merges without it while it heals (it would wait at that round's due step for nothing)."""
+    config = RoundConfig(fragments=1, sync_every=2, quorum=QUORUM_ALL, overlap=0)
+    rounds = started(config, ("a",))
+    assert rounds.begin_join("b") == 0
+    for step in range(2):
+        assert of(Request, lockstep_step(rounds, "a", now=0.1 * step)) == []
+    (request,) = of(Request, rounds.join("b", now=1.0))  # b healed: round 0 opens, asking both
+    assert (request.round_index, request.learners) == (0, ("a", "b"))
+    # A session that ends before its learner healed lets the rounds go on.
+    rounds.begin_join("c")
+    for _ in range(2):
+        lockstep_step(rounds, "a", now=2.0)  # a at step 4, round 1's due step
+    for _ in range(4):
+        lockstep_step(rounds, "b", now=2.0)  # b from 0 to 4
+    assert rounds.admit(push_for(request, "a"), now=2.0) is None
+    rounds.push_complete(push_for(request, "a"), OK, now=2.0)
+    (merge,) = of(Merge, rounds.nothing_to_push("b", 0, 0, 2, now=2.0))
+    rounds.merged(merge.round_index, now=2.1)
+    assert of(Request, rounds.tick(now=2.2)) == []
+    (second,) = of(Request, rounds.end_join("c", now=2.3))
+    assert second.round_index == 1

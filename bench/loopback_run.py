@@ -26,13 +26,14 @@ class LoopbackRun:
 
 
 @contextmanager
-def syncer_and_learners(learners: int) -> Iterator[LoopbackRun]:
-    """Learner m has --id lm; every state directory is in a temporary folder, removed at the end."""
+def syncer_and_learners(learners: int, learner_args: tuple[str, ...] = ()) -> Iterator[LoopbackRun]:
+    """Learner m has --id lm (and learner_args); every state directory is in a temporary folder,
+    removed at the end."""
     with tempfile.TemporaryDirectory(prefix="dilocod-bench-") as tmp:
-        yield from _run(Path(tmp), learners)
+        yield from _run(Path(tmp), learners, learner_args)
 
 
-def _run(work: Path, learners: int) -> Iterator[LoopbackRun]:
+def _run(work: Path, learners: int, learner_args: tuple[str, ...]) -> Iterator[LoopbackRun]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     serve = ["--listen", "127.0.0.1:0", "--insecure", "--ready-json", "--state-dir", str(work / "s")]
     syncer = subprocess.Popen(
@@ -45,6 +46,7 @@ def _run(work: Path, learners: int) -> Iterator[LoopbackRun]:
         join = ["--syncer", address, "--insecure", "--device", "cpu"]
         for m in range(learners):
             command = [*DILOCOD, "learner", *join, "--id", f"l{m}", "--state-dir", str(work / f"l{m}")]
+            command += learner_args
             started.insert(-1, subprocess.Popen(command, stderr=subprocess.DEVNULL, env=env))
         yield LoopbackRun(syncer, started[:-1], address)
     finally:

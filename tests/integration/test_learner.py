@@ -222,10 +222,12 @@ def test_a_torchrun_island_of_two_ranks(tmp_path: Path, entry_dir: Path) -> None
         assert syncer.stop() == 0, syncer.stderr()
     assert set(Path(tempfile.gettempdir()).glob("torchelastic_*")) <= before, "left in the shared TMPDIR"
     merged = syncer.log_events("round merged")
-    assert merged and all(record["contributors"] == ["island"] for record in merged)
+    # One learner, but a round may merge two of its pushes: a late one carried in beside its fresh
+    # answer from a newer base version (docs/design.md §3.4, late pushes), when the host is loaded.
+    assert merged and all(set(record["contributors"]) == {"island"} for record in merged)
     for record in merged:
-        (tokens,), (steps,) = record["tokens"], record["steps"]
-        assert tokens == steps * 2 * 32
+        for tokens, steps in zip(record["tokens"], record["steps"], strict=True):
+            assert tokens == steps * 2 * 32
     ranks = [torch.load(state / f"rank-{r}" / "learner-state.pt", weights_only=True) for r in (0, 1)]
     assert ranks[0]["step"] == ranks[1]["step"] == 120
     for name, value in ranks[0]["model"].items():

@@ -32,14 +32,14 @@ endef
 # Tests run in parallel (pytest-xdist), one worker per core up to 4: most of their time is real
 # processes starting and stepping. test-slow runs the chaos tests alone first (their bounds hold
 # on the host's cores, not on what a second worker leaves of them), then the other slow tests in
-# parallel, each file on one worker.
+# parallel, test by test (the equivalence cases of one file spread over the workers).
 test: venv
 	$(BIN)/ruff check dilocod tests bench
 	$(call run_pytest,-m "not slow" -n auto --maxprocesses 4 --dist worksteal)
 
 test-slow: venv
 	$(call run_pytest,-m slow tests/chaos)
-	$(call run_pytest,-m slow --ignore=tests/chaos -n auto --maxprocesses 4 --dist loadfile)
+	$(call run_pytest,-m slow --ignore=tests/chaos -n auto --maxprocesses 4 --dist worksteal)
 
 lint: venv
 	$(BIN)/ruff check dilocod tests bench

@@ -42,6 +42,8 @@ def entry_dir(tmp_path: Path) -> Path:
     return write_learner_entry(tmp_path / "entry")
 
 
+# About 35 s (it runs past the syncer's idle timeout): `make test-slow`.
+@pytest.mark.slow
 def test_a_second_learner_under_a_live_id_is_refused(tmp_path: Path, entry_dir: Path) -> None:
     syncer = start_syncer(tmp_path, entry_dir, tmp_path / "syncer", *SYNCER_ARGS, entry=LEARNER_ENTRY)
     first = start_learner(tmp_path, entry_dir, syncer.port, "twin", "--state-dir", str(tmp_path / "first"))

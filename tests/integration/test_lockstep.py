@@ -50,7 +50,8 @@ def make_gated_trainer(ctx):
 GATED_ENTRY = "learner_test_entry:make_gated_trainer"
 
 
-@pytest.mark.parametrize("overlap", [0, 1])
+# tau = 0 in `make test`; tau = 1 (the held apply) with the long runs in `make test-slow`.
+@pytest.mark.parametrize("overlap", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_lockstep_with_a_learner_three_times_slower_is_never_late(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overlap: int
 ) -> None:

@@ -63,6 +63,9 @@ class Case:
     #: Every learner's --steps; by default one past the boundary where the last round is applied,
     #: so the run ends with every round merged and applied and none in flight.
     stop_at: int | None = None
+    #: The learners' --network: the slow cases run the network side as a thread, which covers
+    #: that path and starts two torch processes fewer.
+    network: str = "process"
 
     @property
     def steps(self) -> int:
@@ -85,20 +88,25 @@ OVERLAPPED = Flags(fragments=4, sync_every=16, overlap=2)  # tau < H/P: one roun
 CROWDED = Flags(fragments=4, sync_every=8, overlap=2)
 #: Each case costs about 20 s of processes starting and stopping on a loaded 2-core machine:
 #: `make test` runs DiLoCo with the mean and Streaming DiLoCo with overlap and RDA; the rest is
-#: `make test-slow`.
+#: `make test-slow`, with the network side as a thread.
+SLOW = pytest.mark.slow
 CASES = [
     pytest.param(Case(DILOCO, rounds=4), id="diloco-mean"),
-    pytest.param(Case(replace(DILOCO, merge="rda"), rounds=4), id="diloco-rda", marks=pytest.mark.slow),
-    pytest.param(Case(STREAMING, rounds=8), id="streaming-tau0-mean", marks=pytest.mark.slow),
+    pytest.param(Case(replace(DILOCO, merge="rda"), rounds=4, network="thread"), id="diloco-rda", marks=SLOW),
+    pytest.param(Case(STREAMING, rounds=8, network="thread"), id="streaming-tau0-mean", marks=SLOW),
     pytest.param(
-        Case(replace(STREAMING, merge="rda"), rounds=8), id="streaming-tau0-rda", marks=pytest.mark.slow
+        Case(replace(STREAMING, merge="rda"), rounds=8, network="thread"), id="streaming-tau0-rda", marks=SLOW
     ),
-    pytest.param(Case(OVERLAPPED, rounds=8), id="streaming-tau2-mean", marks=pytest.mark.slow),
+    pytest.param(Case(OVERLAPPED, rounds=8, network="thread"), id="streaming-tau2-mean", marks=SLOW),
     pytest.param(Case(replace(OVERLAPPED, merge="rda"), rounds=8), id="streaming-tau2-rda"),
     pytest.param(
-        Case(replace(OVERLAPPED, apply="mix"), rounds=8), id="streaming-tau2-mix", marks=pytest.mark.slow
+        Case(replace(OVERLAPPED, apply="mix"), rounds=8, network="thread"),
+        id="streaming-tau2-mix",
+        marks=SLOW,
     ),
-    pytest.param(Case(CROWDED, rounds=8, stop_at=17), id="streaming-tau2-crowded", marks=pytest.mark.slow),
+    pytest.param(
+        Case(CROWDED, rounds=8, stop_at=17, network="thread"), id="streaming-tau2-crowded", marks=SLOW
+    ),
 ]
 
 
@@ -147,6 +155,7 @@ def _start_learners(
                 *(tmp_path, entry_dir, port, name),
                 *("--entry", ENTRY, "--seed", str(seed), "--steps", str(case.steps)),
                 *("--apply", case.flags.apply, "--mix-alpha", str(case.flags.mix_alpha)),
+                *("--network", case.network),
                 *("--state-dir", str(tmp_path / name), "--join-timeout-s", str(LEARNER_WAIT_S)),
             )
         )

@@ -87,8 +87,8 @@ OVERLAPPED = Flags(fragments=4, sync_every=16, overlap=2)  # tau < H/P: one roun
 #: and a round is always in flight, at the end too.
 CROWDED = Flags(fragments=4, sync_every=8, overlap=2)
 #: Each case costs about 20 s of processes starting and stopping on a loaded 2-core machine:
-#: `make test` runs DiLoCo with the mean and Streaming DiLoCo with overlap and RDA; the rest is
-#: `make test-slow`, with the network side as a thread.
+#: `make test` runs DiLoCo with the mean (the default network process) and Streaming DiLoCo with
+#: overlap and RDA; the rest is `make test-slow`. All but the first run the network side as a thread.
 SLOW = pytest.mark.slow
 CASES = [
     pytest.param(Case(DILOCO, rounds=4), id="diloco-mean"),
@@ -98,7 +98,7 @@ CASES = [
         Case(replace(STREAMING, merge="rda"), rounds=8, network="thread"), id="streaming-tau0-rda", marks=SLOW
     ),
     pytest.param(Case(OVERLAPPED, rounds=8, network="thread"), id="streaming-tau2-mean", marks=SLOW),
-    pytest.param(Case(replace(OVERLAPPED, merge="rda"), rounds=8), id="streaming-tau2-rda"),
+    pytest.param(Case(replace(OVERLAPPED, merge="rda"), rounds=8, network="thread"), id="streaming-tau2-rda"),
     pytest.param(
         Case(replace(OVERLAPPED, apply="mix"), rounds=8, network="thread"),
         id="streaming-tau2-mix",

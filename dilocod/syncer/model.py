@@ -1,8 +1,9 @@
 """The syncer's global model: every fragment's parameters and Nesterov buffers in float32, laid out
 exactly as the fragment travels on the wire, and the read-only snapshots that updates are sent from.
 
-Layout. Fragment p's tensors are packed by wire.manifest.pack_manifest into one bytearray (the
-"master"), with torch views onto it; the momentum buffer has the same layout. A push of fragment p
+Layout. Fragment p's tensors are packed by wire.manifest.pack_manifest into one buffer (the
+"master": a bytearray at first, a pooled one from its first merge on), with torch views onto it;
+the momentum buffer has the same layout. A push of fragment p
 must carry exactly that manifest (float32 outer gradients), so its bytes are read in place.
 
 Buffers. The steady state holds Θ and b (one master and one momentum buffer per fragment) and

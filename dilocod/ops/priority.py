@@ -1,6 +1,7 @@
 """CPU priority of helper threads: a thread that calls lower_this_thread() gets `steps` more nice
-than its process, so when the cores are busy the thread that matters most is scheduled first (the
-syncer's event loop over its merge and screen workers). Linux applies nice values per thread;
+than its process, so when the cores are busy the thread that matters most is scheduled first.
+The syncer no longer lowers its merge and screen workers: beside learners on the same cores a
+lowered merge got a tenth of a core and queued rounds for seconds. Linux applies nice values per thread;
 elsewhere, or if refused, the priority stays as it was.
 
 Only for threads that spend their time outside the GIL (torch kernels): a lowered thread that is

@@ -1,34 +1,49 @@
 """The syncer's global model: every fragment's parameters and Nesterov buffers in float32, laid out
 exactly as the fragment travels on the wire, and the read-only snapshots that updates are sent from.
 
-Layout. Fragment p's tensors are packed by wire.manifest.pack_manifest into one bytearray (the
-"master"), with torch views onto it; the momentum buffer has the same layout. A push of fragment p
+Layout. Fragment p's tensors are packed by wire.manifest.pack_manifest into one buffer (the
+"master": a bytearray at first, a pooled one from its first merge on), with torch views onto it;
+the momentum buffer has the same layout. A push of fragment p
 must carry exactly that manifest (float32 outer gradients), so its bytes are read in place.
 
-Snapshots. Updates go out from a copy of the master made right after each merge, with its chunk
-checksums computed in the same worker (hashed once, for every learner it is sent to). A snapshot
-is lent to every send that uses it; the next merge of that fragment writes into a buffer nobody is
-reading, so a slow learner never sees a half-merged fragment. Buffers are reused: a fresh 100 MB
-allocation costs about six memcpys in page faults.
+Buffers. The steady state holds Θ and b (one master and one momentum buffer per fragment) and
+fragment-sized buffers from one bounded pool (syncer.buffers): a push per contributing learner,
+and per merge its output and a momentum backup. Nothing else holds a copy of the model.
+
+Snapshots: copy on merge, never in place. What learners are sent is the master itself: a
+Snapshot names the buffer that holds a version with its chunk checksums (hashed once, for every
+learner it is sent to) and counts the sends reading it. A merge never writes the master it reads:
+it copies Θ_p into a pool buffer and steps that copy, which becomes the master when committed. So
+a send of the old version goes on reading bytes nobody writes (a learner never receives a
+half-merged fragment), a heal or idle send needs no copy at all, and the old master goes back to
+the pool as soon as its last send is done (at once when none is reading it). The other
+discipline, merging in place and making a merge wait while a send reads the master, was rejected:
+one slow learner (a 100 MB fragment over a thin link takes seconds) would stall every merge of
+that fragment; copy on write costs one copy per merge (2F of memory traffic) and, while a send of
+the old version is still in flight, one fragment-sized buffer.
 
 Commit. `merge` is the one place a merged fragment replaces the old one, and it does so only when
-the new Θ_p and b_p are finite (outer.guard.l2_norm of each): otherwise both go back to what they
-were (Θ_p from the current snapshot, which holds the master's version; b_p from a copy taken into
-the snapshot-to-be first) and MergeRejected says why; nothing is published.
+the new Θ_p and b_p are finite (outer.guard.l2_norm of each): otherwise the master was never
+touched (the new Θ_p went into the merge's own buffer, which goes back to the pool), b_p is
+copied back from the backup the merge took into a pool buffer first, and MergeRejected says why;
+nothing is published. No persistent copy is needed for that.
 
 Threads. `merge` runs in the syncer's one merge worker thread, one at a time; it only touches the
-fragment it is given and buffers the event loop handed it. `screen` runs in the screen thread and
-reads only the push and the fragment's `norm`, a float the merge replaces whole. Everything else
-runs on the event loop. Must not import networking or logging.
+fragment it is given and buffers it takes from the pool; it replaces the master and its views but
+not `current`, which only `publish` (on the event loop) moves. `screen` runs in the screen thread
+and reads only the push and the fragment's `norm`, a float the merge replaces whole. The pool is
+thread-safe. Everything else (publish, acquire, release) runs on the event loop. Must not import
+networking or logging.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+import xxhash
 from torch import Tensor
 
 from dilocod.outer import FragmentPlan, embedding_mask, outer_step_
@@ -41,7 +56,7 @@ from dilocod.outer.guard import (
     l2_norm,
 )
 from dilocod.precision import tensor_views
-from dilocod.wire.codecs import chunk_checksums
+from dilocod.syncer.buffers import Buffer, BufferPool
 from dilocod.wire.manifest import ModelEntry, TensorEntry, pack_manifest
 
 
@@ -60,12 +75,17 @@ class MergeRejected(Exception):
 
 @dataclass(slots=True)
 class Snapshot:
-    """One published version of a fragment, as sent: bytes and their chunk checksums."""
+    """One version of a fragment as sent: the buffer that holds it (the master while it is the
+    newest), its chunk checksums and its digest (xxh3-64 of all its bytes)."""
 
     version: int
-    buffer: bytearray
+    buffer: Buffer
     checksums: list[int]
+    digest: int = 0
+    #: Sends reading the buffer now (acquire/release, on the event loop).
     users: int = 0
+    #: Superseded by publish: the buffer goes back to the pool when users reaches 0.
+    retired: bool = False
 
 
 @dataclass(slots=True)
@@ -73,8 +93,8 @@ class FragmentStore:
     index: int
     manifest: tuple[TensorEntry, ...]
     raw_bytes: int
-    master: bytearray
-    momentum: bytearray
+    master: Buffer
+    momentum: Buffer
     params: list[Tensor]
     momentum_views: list[Tensor]
     is_embedding: list[bool]
@@ -82,11 +102,8 @@ class FragmentStore:
     version: int = 0
     #: ‖Θ_p‖ at that version: the scale the screen bounds outer gradients by (set with the version).
     norm: float = 0.0
+    #: The newest published version, what sends acquire (moved only by publish, on the loop).
     current: Snapshot | None = None
-    #: Snapshot buffers nobody reads any more, kept for the next merge of this fragment.
-    spare: list[bytearray] = field(default_factory=list)
-    #: Retired snapshots still lent to sends.
-    retired: list[Snapshot] = field(default_factory=list)
 
 
 class GlobalModel:
@@ -104,6 +121,8 @@ class GlobalModel:
         self.specs = {s.name: s for s in specs}
         self.order = [s.name for s in specs]
         self.chunk_bytes = chunk_bytes
+        #: Every fragment-sized buffer beyond Θ and b comes from here (see Buffers).
+        self.buffers = BufferPool()
         self.fragments: list[FragmentStore] = []
         for fragment in plan.fragments:
             manifest, raw_bytes = pack_manifest([(n, "float32", self.specs[n].shape) for n in fragment.names])
@@ -130,7 +149,7 @@ class GlobalModel:
         versions: Sequence[int] | None = None,
     ) -> None:
         """Fill Θ (and b, zeros when not given) from tensors keyed by parameter name, at versions
-        (zeros when not given). Only before publish_all: a merge rolls Θ back to the snapshot."""
+        (zeros when not given). Only before publish_all: after it, the masters are what learners are sent."""
         if any(store.current is not None for store in self.fragments):
             raise RuntimeError("load() after publish_all(): the snapshots would hold another model")
         if versions is not None and len(versions) != len(self.fragments):
@@ -173,24 +192,23 @@ class GlobalModel:
         return params, momentum
 
     def publish_all(self) -> None:
-        """Snapshot every fragment at its version (at start, before any learner is served)."""
+        """Publish every fragment at its version, from its master (at start, before any learner is
+        served; hashing only, no copy)."""
         for store in self.fragments:
-            target = self.spare_buffer(store.index)
-            self.copy_out(store.index, target)
-            checksums = chunk_checksums(target, self.chunk_bytes)
-            self.publish(store.index, Snapshot(store.version, target, checksums))
+            checksums, digest = hash_fragment(store.master, self.chunk_bytes)
+            store.current = Snapshot(store.version, store.master, checksums, digest)
 
     # ------------------------------------------------------------------ snapshots (event loop)
 
-    def spare_buffer(self, index: int) -> bytearray:
-        store = self.fragments[index]
-        return store.spare.pop() if store.spare else bytearray(store.raw_bytes)
-
     def publish(self, index: int, snapshot: Snapshot) -> None:
+        """Make a merge's snapshot the one sends acquire; the one it supersedes goes back to the
+        pool once no send reads it."""
         store = self.fragments[index]
         old, store.current = store.current, snapshot
         if old is not None:
-            self._retire(store, old)
+            old.retired = True
+            if old.users == 0:
+                self.buffers.give(old.buffer)
 
     def acquire(self, index: int) -> Snapshot:
         """The fragment's current snapshot, lent to one send until release()."""
@@ -201,24 +219,15 @@ class GlobalModel:
         return snapshot
 
     def release(self, index: int, snapshot: Snapshot) -> None:
+        if snapshot.users <= 0:
+            raise RuntimeError(f"fragment {index}: a snapshot released more often than acquired")
         snapshot.users -= 1
-        store = self.fragments[index]
-        if snapshot in store.retired and snapshot.users == 0:
-            store.retired.remove(snapshot)
-            store.spare.append(snapshot.buffer)
-
-    def _retire(self, store: FragmentStore, snapshot: Snapshot) -> None:
-        if snapshot.users == 0:
-            store.spare.append(snapshot.buffer)
-        else:
-            store.retired.append(snapshot)
+        if snapshot.retired and snapshot.users == 0:
+            self.buffers.give(snapshot.buffer)
 
     # ------------------------------------------------------------------ merge worker
 
-    def copy_out(self, index: int, target: bytearray) -> None:
-        _copy_bytes(self.fragments[index].master, target)
-
-    def deltas(self, index: int, buffer: bytearray | memoryview) -> list[Tensor]:
+    def deltas(self, index: int, buffer: Buffer | memoryview) -> list[Tensor]:
         """The float32 tensors of a push of fragment index, read in place."""
         store = self.fragments[index]
         if len(buffer) != store.raw_bytes:
@@ -228,7 +237,7 @@ class GlobalModel:
     def screen(
         self,
         index: int,
-        buffer: bytearray | memoryview,
+        buffer: Buffer | memoryview,
         history: Sequence[NormSample],
         max_norm_ratio: float,
         max_fragment_ratio: float = DEFAULT_MAX_FRAGMENT_RATIO,
@@ -249,61 +258,83 @@ class GlobalModel:
     def merge(
         self,
         index: int,
-        pushes: Sequence[bytearray | memoryview],
+        pushes: Sequence[Buffer | memoryview],
         weights: Sequence[float],
         *,
         lr: float,
         mu: float,
         merge: str,
-        target: bytearray,
         version: int,
     ) -> Snapshot:
-        """Merge the pushes into Θ_p and step b_p and Θ_p in place, now at `version`; then copy
-        Θ_p into target and hash it: the snapshot to publish. The pushes' contents are consumed.
+        """Merge the pushes and take the Nesterov step into a copy of Θ_p (b_p in place), commit
+        the copy as the master at `version` and hash it: the snapshot to publish. The pushes'
+        contents are consumed.
 
         Raises MergeRejected, with Θ_p, b_p and the version as they were, when the new Θ_p or b_p
         holds a non-finite value (see the module docstring, Commit)."""
         store = self.fragments[index]
-        current = store.current
-        # The current snapshot is a copy of the master at its version (publish_all, and every
-        # merge's own snapshot); without one (a merge before publish_all) Θ_p is copied here.
-        saved_params = (
-            current.buffer
-            if current is not None and current.version == store.version
-            else bytearray(store.master)
-        )
-        # target receives the new snapshot only at the end: until then it holds the old b_p.
-        _copy_bytes(store.momentum, target)
-        # The pushes are the syncer's own buffers, back to the pool right after: the merge may
-        # write its intermediate direction into one of them instead of a scratch buffer, which saves
-        # a fragment-sized write and read per round (bench/RESULTS.md §3).
-        outer_step_(
-            store.params,
-            store.momentum_views,
-            [self.deltas(index, buffer) for buffer in pushes],
-            weights,
-            lr,
-            mu,
-            merge=merge,
-            is_embedding=store.is_embedding,
-            consume_deltas=True,
-        )
-        norm = l2_norm(store.params)
-        if not (math.isfinite(norm) and math.isfinite(l2_norm(store.momentum_views))):
-            _copy_bytes(saved_params, store.master)
-            _copy_bytes(target, store.momentum)
-            raise MergeRejected(
-                NON_FINITE_RESULT,
-                f"fragment {index}: the merge for version {version} gave non-finite parameters or "
-                f"momentum; not committed, the fragment stays at version {store.version}",
+        target = self.buffers.take(store.raw_bytes)
+        backup = self.buffers.take(store.raw_bytes)
+        backed_up = False
+        try:
+            _copy_bytes(store.master, target)
+            _copy_bytes(store.momentum, backup)
+            backed_up = True
+            params = tensor_views(target, store.manifest)
+            # The pushes are the syncer's own buffers, back to the pool right after: the merge may
+            # write its intermediate direction into one of them instead of a scratch buffer, which
+            # saves a fragment-sized write and read per round (bench/RESULTS.md §3).
+            outer_step_(
+                params,
+                store.momentum_views,
+                [self.deltas(index, buffer) for buffer in pushes],
+                weights,
+                lr,
+                mu,
+                merge=merge,
+                is_embedding=store.is_embedding,
+                consume_deltas=True,
             )
-        store.version = version
-        store.norm = norm
-        self.copy_out(index, target)
-        return Snapshot(version, target, chunk_checksums(target, self.chunk_bytes))
+            norm = l2_norm(params)
+            if not (math.isfinite(norm) and math.isfinite(l2_norm(store.momentum_views))):
+                raise MergeRejected(
+                    NON_FINITE_RESULT,
+                    f"fragment {index}: the merge for version {version} gave non-finite parameters or "
+                    f"momentum; not committed, the fragment stays at version {store.version}",
+                )
+        except BaseException:
+            # Rejected, or failed part way (a bug): b_p goes back to what it was, Θ_p never moved.
+            if backed_up:
+                _copy_bytes(backup, store.momentum)
+            self.buffers.give(target)
+            raise
+        finally:
+            self.buffers.give(backup)
+        checksums, digest = hash_fragment(target, self.chunk_bytes)
+        old = store.master
+        store.master, store.params, store.version, store.norm = target, params, version, norm
+        if store.current is None:  # not published yet (a merge before publish_all): nobody reads it
+            self.buffers.give(old)
+        # Otherwise the old master is the current snapshot's buffer: publish() retires it.
+        return Snapshot(version, target, checksums, digest)
 
 
-def _copy_bytes(source: bytearray, target: bytearray) -> None:
+def hash_fragment(buffer: Buffer, chunk_bytes: int) -> tuple[list[int], int]:
+    """The chunk checksums (as wire.codecs.chunk_checksums) and the digest (xxh3-64 of all the
+    bytes) in one pass over memory: each chunk is hashed again for the digest while in cache."""
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk size must be positive, not {chunk_bytes}")
+    view = memoryview(buffer).cast("B")
+    whole = xxhash.xxh3_64()
+    checksums = []
+    for start in range(0, len(view), chunk_bytes):
+        chunk = view[start : start + chunk_bytes]
+        checksums.append(xxhash.xxh3_64_intdigest(chunk))
+        whole.update(chunk)
+    return checksums, whole.intdigest()
+
+
+def _copy_bytes(source: Buffer, target: Buffer) -> None:
     if source:
         torch.frombuffer(target, dtype=torch.uint8).copy_(torch.frombuffer(source, dtype=torch.uint8))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import math
 import ssl
 import time
@@ -26,7 +27,6 @@ from typing import Any
 import structlog
 
 from dilocod.config import SyncerConfig
-from dilocod.ops.priority import lower_this_thread
 from dilocod.outer.guard import Verdict
 from dilocod.precision import PRECISIONS, decode, precision_of, push_layout
 from dilocod.syncer.checkpoint import CheckpointPruneError, SyncerState, save_checkpoint
@@ -37,7 +37,6 @@ from dilocod.transport.endpoints import Server
 from dilocod.transport.errors import SessionClosed, TransferFailed
 from dilocod.transport.options import TransportOptions
 from dilocod.transport.session import FragmentReceived, Session
-from dilocod.wire.codecs import checksum
 from dilocod.wire.errors import ErrorCode, RemoteProtocolError
 from dilocod.wire.messages import (
     Error,
@@ -153,16 +152,15 @@ class SyncerService:
         self._specs = [model.specs[name] for name in model.order]
         self._push_buffers: dict[tuple[str, int], tuple[Push, memoryview]] = {}
         self._push_precision: dict[tuple[str, int], str] = {}
-        self._pool: dict[int, list[bytearray]] = defaultdict(list)
-        self._executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="dilocod-merge", initializer=lower_this_thread
-        )
         # Screening (decode, norm) reads only push buffers: on its own thread, so a ready merge never
         # queues behind the screens of later pushes. Merges and checkpoints share the merge thread.
-        # Both run below the event loop's CPU priority: busy cores serve the sessions' I/O first.
-        self._screener = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="dilocod-screen", initializer=lower_this_thread
-        )
+        # Both run at the process's CPU priority, not below it: lowered (nice +10), they got a tenth
+        # of a core beside two learners on 2 cores, each merge took 5-9 s instead of 0.1, and every
+        # queued round held its pushes' buffers meanwhile (bench/notes/syncer-scale.md). The event
+        # loop is not the worse for it: it sleeps between events, and the scheduler runs a thread
+        # that wakes from a sleep ahead of threads that have been running.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dilocod-merge")
+        self._screener = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dilocod-screen")
         self._tasks: asyncio.TaskGroup | None = None
         self._ticker_wake = asyncio.Event()
         self._merges: set[asyncio.Task[None]] = set()
@@ -178,6 +176,10 @@ class SyncerService:
         checkpoint, say goodbye to every learner. A checkpoint that fails on the way out (a full
         disk) is logged and kept in final_checkpoint_problem; the goodbyes are said all the same."""
         self.model.publish_all()
+        # Everything built so far (torch, the modules, the model store) lives as long as the
+        # daemon: out of the collector's sight, a full collection no longer walks it. It was
+        # 170 000 objects, 80-125 ms a full collection on the event loop (bench/notes/syncer-scale.md).
+        gc.freeze()
         options = TransportOptions(chunk_bytes=self.config.chunk)
         try:
             async with (
@@ -385,6 +387,7 @@ class SyncerService:
         # Registered before the old session is closed: a third JOIN meanwhile finds this one.
         peer = _Peer(learner, session, instance=join.instance)
         self.peers[learner] = peer
+        self._size_pool()
         if previous is not None:
             await previous.session.close("replaced by a newer session of the same learner")
         session.set_allocator(partial(self._allocate, peer))
@@ -407,6 +410,7 @@ class SyncerService:
         finally:
             if self.peers.get(learner) is peer:
                 del self.peers[learner]
+                self._size_pool()
                 if peer.joined:
                     self._apply(self.rounds.leave(learner, self.clock()))
                 else:
@@ -506,8 +510,7 @@ class SyncerService:
                 why=refusal.value,
             )
             raise RemoteProtocolError(_REFUSAL_CODES[refusal], f"round {header.round}: {refusal.value}")
-        free = self._pool[header.raw_bytes]
-        buffer = memoryview(free.pop() if free else bytearray(header.raw_bytes))
+        buffer = memoryview(self.model.buffers.take(header.raw_bytes))
         self._push_buffers[(peer.learner, header.round)] = (push, buffer)
         self._push_precision[(peer.learner, header.round)] = precision
         return buffer
@@ -554,10 +557,7 @@ class SyncerService:
         target = None
         if precision != "fp32":
             # Lossy pushes are decoded to float32 once, in the worker; the merge sees float32 only.
-            free = self._pool[self.model.fragments[push.fragment].raw_bytes]
-            target = memoryview(
-                free.pop() if free else bytearray(self.model.fragments[push.fragment].raw_bytes)
-            )
+            target = memoryview(self.model.buffers.take(self.model.fragments[push.fragment].raw_bytes))
         shapes = self._shapes(push.fragment)
 
         def work() -> Verdict:
@@ -663,8 +663,9 @@ class SyncerService:
             self.rounds.merge_failed(merge.round_index, self.clock())
             return
         held = [h for h in held if h is not None]
-        target = self.model.spare_buffer(merge.fragment)
-        merge_fragment = partial(
+        # The merge takes its output and momentum backup from the pool in the worker: nothing
+        # fragment-sized is allocated or copied on the event loop.
+        run = partial(
             self.model.merge,
             merge.fragment,
             [buffer for _, buffer in held],
@@ -672,21 +673,15 @@ class SyncerService:
             lr=self.config.outer_lr,
             mu=self.config.outer_momentum,
             merge=self.config.merge,
-            target=target,
             version=merge.version + 1,
         )
-
-        def run() -> tuple[Snapshot, int]:
-            # The digest of the new fragment (xxh3-64 of its bytes, a pass at memory speed) goes in
-            # the round's log line, so any copy of that version can be checked against it.
-            snapshot = merge_fragment()
-            return snapshot, checksum(snapshot.buffer)
-
         self._merge_started[merge.round_index] = started
         try:
-            snapshot, digest = await asyncio.get_running_loop().run_in_executor(self._executor, run)
+            snapshot: Snapshot = await asyncio.get_running_loop().run_in_executor(self._executor, run)
         except MergeRejected as exc:
             # Its pushes are not merged, counted by reason like pushes the screen rejects.
+            for _, buffer in held:
+                self._give_back(buffer)
             log.warning(
                 "merge rejected",
                 fragment=merge.fragment,
@@ -698,6 +693,7 @@ class SyncerService:
             self.rounds.merge_failed(merge.round_index, self.clock())
             return
         except Exception as exc:
+            # Its push buffers are dropped, not reused: the failure may have left them anywhere.
             log.error("merge failed", fragment=merge.fragment, round=merge.round_index, error=repr(exc))
             self.rounds.merge_failed(merge.round_index, self.clock())
             return
@@ -724,7 +720,8 @@ class SyncerService:
             bytes=len(held) * self.model.fragments[merge.fragment].raw_bytes,
             grace_waited_s=round(merge.grace_waited_s, 4),
             duration_s=round(self.clock() - started, 4),
-            digest=f"{digest:016x}",
+            # xxh3-64 of the new fragment's bytes, so any copy of that version can be checked.
+            digest=f"{snapshot.digest:016x}",
         )
         for peer in self.peers.values():
             peer.pending.setdefault(merge.fragment, None)
@@ -732,12 +729,14 @@ class SyncerService:
         self._ticker_wake.set()
 
     def _give_back(self, buffer: memoryview) -> None:
-        owner = buffer.obj
-        free = self._pool[len(owner)] if isinstance(owner, bytearray) else None
-        # Kept for reuse up to what a round of every fragment needs; a burst beyond that is freed,
-        # so the pool does not keep the memory of its worst moment for ever.
-        if free is not None and len(free) < 2 * len(self.model.fragments):
-            free.append(owner)
+        """A push buffer (or a decoded push) back to the model's pool, which keeps a bounded count
+        of idle buffers across sizes for reuse (syncer.buffers)."""
+        self.model.buffers.give(buffer.obj)  # type: ignore[arg-type]  # always a pool buffer
+
+    def _size_pool(self) -> None:
+        """Keep idle what a round needs: a push per connected learner, the merge's output and its
+        momentum backup (a master retired by a merge comes back in place of the output)."""
+        self.model.buffers.max_idle = len(self.peers) + 2
 
     # ------------------------------------------------------------------ updates
 

@@ -15,10 +15,11 @@ from dilocod.config import SyncerConfig
 from dilocod.learner.layout import model_entries
 from dilocod.outer import mean_merge, nesterov_step_, plan_fragments, rda_merge
 from dilocod.outer.guard import FRAGMENT_NORM_TOO_LARGE, NON_FINITE_RESULT, l2_norm
-from dilocod.syncer.model import GlobalModel, MergeRejected, ModelMismatch, Snapshot, first_mismatch
+from dilocod.syncer.buffers import BufferPool
+from dilocod.syncer.model import GlobalModel, MergeRejected, ModelMismatch, first_mismatch
 from dilocod.syncer.rounds import Merge, Push, Request, RoundConfig, Rounds
 from dilocod.syncer.service import SyncerService
-from dilocod.wire.codecs import chunk_checksums
+from dilocod.wire.codecs import checksum, chunk_checksums
 from dilocod.wire.manifest import ModelEntry
 
 CHUNK = 4096
@@ -78,19 +79,97 @@ def test_first_mismatch() -> None:
     assert "'c' is not in the syncer" in str(first_mismatch(ours, [*ours, ModelEntry("c", "float32", (1,))]))
 
 
-def test_snapshots_are_lent_then_reused() -> None:
+def test_publishing_sends_the_master_itself() -> None:
+    """No copy of the model is made to serve it: the published snapshot is the master."""
     model, _ = build()
     model.publish_all()
-    first = model.acquire(1)
-    assert first.checksums == chunk_checksums(first.buffer, CHUNK)
-    target = model.spare_buffer(1)
-    assert target is not first.buffer
-    model.publish(1, Snapshot(1, target, chunk_checksums(target, CHUNK)))
-    assert model.acquire(1).version == 1
-    # The old snapshot is still lent: its buffer must not be handed out for writing.
-    assert model.spare_buffer(1) is not first.buffer
-    model.release(1, first)
-    assert model.spare_buffer(1) is first.buffer
+    for index, store in enumerate(model.fragments):
+        snapshot = model.acquire(index)
+        assert snapshot.buffer is store.master
+        assert snapshot.checksums == chunk_checksums(store.master, CHUNK)
+        assert snapshot.digest == checksum(store.master)
+        model.release(index, snapshot)
+    assert model.buffers.created == 0
+
+
+def test_a_snapshot_buffer_is_never_reused_while_a_send_holds_it() -> None:
+    """A send of version 0 keeps reading the same bytes through three merges of its fragment (the
+    merges write elsewhere, and nothing is handed that buffer); released, it goes back to the pool."""
+    model, _ = build()
+    model.publish_all()
+    held = model.acquire(1)
+    sent = bytes(held.buffer)
+    for version in (1, 2, 3):
+        snapshot = model.merge(1, [_push(model, 1, 0.5)], [1.0], lr=0.7, mu=0.9, merge="rda", version=version)
+        assert snapshot.buffer is not held.buffer
+        model.publish(1, snapshot)
+        assert model.acquire(1) is snapshot and model.fragments[1].master is snapshot.buffer
+        model.release(1, snapshot)
+        assert bytes(held.buffer) == sent and held.checksums == chunk_checksums(held.buffer, CHUNK)
+        # Whatever the pool hands out now is not the buffer being sent.
+        taken = [model.buffers.take(model.fragments[1].raw_bytes) for _ in range(model.buffers.idle + 1)]
+        assert all(buffer is not held.buffer for buffer in taken)
+        for buffer in taken:
+            model.buffers.give(buffer)
+    model.release(1, held)
+    model.buffers.max_idle = 100
+    size = model.fragments[1].raw_bytes
+    taken = [model.buffers.take(size) for _ in range(model.buffers.idle)]
+    assert any(buffer is held.buffer for buffer in taken)
+    with pytest.raises(RuntimeError, match="released more often"):
+        model.release(1, held)
+
+
+def _equal_fragments(fragments: int = 4) -> GlobalModel:
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(*[torch.nn.Linear(16, 16, bias=False) for _ in range(fragments)])
+    specs = model_entries(module)
+    plan = plan_fragments([(s.name, s.shape) for s in specs], fragments)
+    model = GlobalModel(plan, specs, chunk_bytes=CHUNK, embedding_pattern="-")
+    model.load(dict(module.named_parameters()))
+    return model
+
+
+@pytest.mark.parametrize("learners", [1, 2, 3])
+def test_the_number_of_fragment_buffers_is_bounded(learners: int) -> None:
+    """Rounds over every fragment, each merging a push per learner (from the pool, as the service
+    takes them) and sent to every learner: beyond Θ and b, the syncer creates M + 2 buffers once
+    and reuses them for ever (a push per learner, the merge's output and its momentum backup)."""
+    model = _equal_fragments()
+    model.buffers.max_idle = learners + 2  # as the service sizes it
+    model.publish_all()
+    size = model.fragments[0].raw_bytes
+    for round_index in range(5 * len(model.fragments)):
+        index = round_index % len(model.fragments)
+        pushes = [model.buffers.take(size) for _ in range(learners)]
+        for push in pushes:
+            for view in model.deltas(index, push):
+                view.fill_(1e-3)
+        version = model.versions[index] + 1
+        snapshot = model.merge(index, pushes, [1.0] * learners, lr=0.7, mu=0.9, merge="rda", version=version)
+        model.publish(index, snapshot)
+        for push in pushes:
+            model.buffers.give(push)
+        sends = [model.acquire(index) for _ in range(learners)]
+        for send in sends:
+            model.release(index, send)
+        assert model.buffers.created <= learners + 2
+        assert model.buffers.idle <= learners + 2
+    assert model.versions == [5] * len(model.fragments)
+
+
+def test_a_buffer_pool_keeps_a_bounded_count_across_sizes() -> None:
+    pool = BufferPool(max_idle=2)
+    small, large, other = pool.take(10), pool.take(20), pool.take(20)
+    assert (len(small), len(large), pool.created) == (10, 20, 3)
+    for buffer in (small, large, other):
+        pool.give(buffer)
+    # Three given back, two kept: the other size went first.
+    assert pool.idle == 2 and pool.freed == 1
+    assert pool.take(20) is large and pool.take(20) is other and pool.take(10) is not small
+    with pytest.raises(RuntimeError, match="twice"):
+        pool.give(large)
+        pool.give(large)
 
 
 def test_merge_equals_the_outer_functions_on_plain_tensors() -> None:
@@ -117,9 +196,7 @@ def test_merge_equals_the_outer_functions_on_plain_tensors() -> None:
         if is_embedding:  # embeddings take the weighted mean, the rest RDA
             torch.testing.assert_close(merged[t], mean[t])
     nesterov_step_(params, merged, momentum, lr=0.7, mu=0.9)
-    snapshot = model.merge(
-        index, pushes, weights, lr=0.7, mu=0.9, merge="rda", target=model.spare_buffer(index), version=1
-    )
+    snapshot = model.merge(index, pushes, weights, lr=0.7, mu=0.9, merge="rda", version=1)
     for t in range(len(params)):
         torch.testing.assert_close(store.params[t], params[t], rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(store.momentum_views[t], momentum[t], rtol=1e-6, atol=1e-7)
@@ -159,7 +236,7 @@ def test_one_push_of_huge_finite_values_is_refused_by_a_fresh_fragment() -> None
     assert _state(model, 0) == before and _finite(model, 0)
     # Had the screen let it through, the merge would not commit it either.
     with pytest.raises(MergeRejected, match="non-finite"):
-        model.merge(0, [push], [1.0], lr=0.7, mu=0.9, merge="rda", target=model.spare_buffer(0), version=1)
+        model.merge(0, [push], [1.0], lr=0.7, mu=0.9, merge="rda", version=1)
     assert _state(model, 0) == before and _finite(model, 0)
 
 
@@ -168,9 +245,7 @@ def test_screen_scales_by_the_fragment_as_of_its_last_merge() -> None:
     model.publish_all()
     store = model.fragments[1]
     assert store.norm == pytest.approx(l2_norm(store.params))
-    model.merge(
-        1, [_push(model, 1, 0.5)], [1.0], lr=0.7, mu=0.9, merge="rda", target=model.spare_buffer(1), version=1
-    )
+    model.merge(1, [_push(model, 1, 0.5)], [1.0], lr=0.7, mu=0.9, merge="rda", version=1)
     assert store.norm == pytest.approx(l2_norm(store.params)) and store.norm > 0.5
 
 
@@ -178,8 +253,9 @@ def test_screen_scales_by_the_fragment_as_of_its_last_merge() -> None:
 def test_a_merge_whose_result_is_not_finite_is_not_committed(published: bool) -> None:
     """Inputs the screen accepts, a result that overflows: Θ near float32's largest, an outer
     gradient as large as Θ (within the fragment bound). Θ, b and the version stay as they were,
-    whether Θ is rolled back from the current snapshot or, before any, from a copy; and the
-    fragment merges normally afterwards."""
+    published or not, and the fragment merges normally afterwards. The rollback needs no copy
+    kept between merges: with a pool that keeps nothing idle, the master, b and the published
+    snapshot (the master itself) are all the fragment holds, before and after."""
     model, module = build(fragments=2)
     index = 1
     store = model.fragments[index]
@@ -190,23 +266,27 @@ def test_a_merge_whose_result_is_not_finite_is_not_committed(published: bool) ->
     model.load(params, momentum)
     if published:
         model.publish_all()
+    model.buffers.max_idle = 0
     before = _state(model, index)
+    master = store.master
     push = _push(model, index, -3e38)
     assert model.screen(index, push, history=[], max_norm_ratio=10.0, steps=1).accepted
-    target = model.spare_buffer(index)
     with pytest.raises(MergeRejected, match=r"fragment 1: .*non-finite.* version 0") as raised:
-        model.merge(index, [push], [1.0], lr=0.7, mu=0.9, merge="rda", target=target, version=1)
+        model.merge(index, [push], [1.0], lr=0.7, mu=0.9, merge="rda", version=1)
     assert raised.value.reason == NON_FINITE_RESULT
     assert _state(model, index) == before and _finite(model, index)
+    assert store.master is master and model.buffers.idle == 0
     if published:
-        assert model.acquire(index).version == 0
+        snapshot = model.acquire(index)
+        assert snapshot.version == 0 and snapshot.buffer is master
+        model.release(index, snapshot)
 
     # The rolled-back b is the old one: the next merge equals SGD-Nesterov from the old state.
     small = _push(model, index, -1e37)
     expected_params = [p.clone() for p in store.params]
     expected_momentum = [b.clone() for b in store.momentum_views]
     nesterov_step_(expected_params, model.deltas(index, bytearray(small)), expected_momentum, lr=0.7, mu=0.9)
-    snapshot = model.merge(index, [small], [1.0], lr=0.7, mu=0.9, merge="rda", target=target, version=1)
+    snapshot = model.merge(index, [small], [1.0], lr=0.7, mu=0.9, merge="rda", version=1)
     assert snapshot.version == 1 and model.versions[index] == 1 and _finite(model, index)
     for t in range(len(expected_params)):
         torch.testing.assert_close(store.params[t], expected_params[t], rtol=1e-6, atol=0.0)
@@ -232,7 +312,6 @@ def test_a_merge_of_a_momentum_that_overflows_is_not_committed() -> None:
             lr=0.7,
             mu=0.9,
             merge="mean",
-            target=model.spare_buffer(index),
             version=1,
         )
     assert _state(model, index) == before
@@ -331,6 +410,6 @@ def test_a_push_that_cannot_be_screened_fails_and_frees_its_buffer(monkeypatch: 
         "ValueError('no decoder expected these bytes')"
     ]
     assert service._push_buffers == {}
-    assert buffer in service._pool[len(buffer)]
+    assert model.buffers.idle == 1 and model.buffers.take(len(buffer)) is buffer
     # Its only learner's push failed: the round waits for nobody and ends without a merge.
     assert request.round_index not in rounds._open and rounds.rounds_abandoned == 1

@@ -7,6 +7,14 @@ takes them all at a step boundary and never waits for them (except when told to:
 first heal). Training to network: snapshots of requested fragments (one per fragment) and step
 reports; the network loop is woken with call_soon_threadsafe, once per batch. Nothing here blocks
 the training thread on the network. Must not import torch.
+
+Fragment buffers have holders (dilocod.learner.buffers): an update is received straight into a
+buffer of the bridge's pool (update_buffer), held by the mailbox until taken, then by the training
+loop, which keeps it as the fragment's anchor until it has applied a newer version and gives it
+back (release). A snapshot's buffer (snapshot_buffer) belongs to the network from send_snapshot on,
+which also makes the snapshot a holder of its anchor, until the push no longer needs either
+(snapshot_done): the outer gradient is computed in place in θ's buffer, from the anchor the
+training side applied, with no copy of either. A buffer is reused only once nobody holds it.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from dilocod.learner.buffers import BufferPool
 from dilocod.wire.messages import FragmentRequest, Plan
 
 #: Fragment bytes: a bytearray of this process, or a view of memory shared with the network process.
@@ -115,10 +124,14 @@ class TrainingSide(Protocol):
     def send_snapshot(self, snapshot: Snapshot, *, wake: bool = True) -> None: ...
     def report_step(self, item: StepReportItem, *, wake: bool = True) -> None: ...
     def flush(self) -> None: ...
+    def release(self, buffer: Buffer) -> None: ...
 
 
 class Bridge:
     def __init__(self) -> None:
+        #: Update and snapshot buffers, by size (the network process's bridge lends shared memory
+        #: instead, its own pools).
+        self.pool = BufferPool()
         self._lock = threading.Lock()
         self._posted = threading.Condition(self._lock)
         self._plan: Plan | None = None
@@ -137,20 +150,51 @@ class Bridge:
         with self._lock:
             self._loop, self._on_outbox = loop, on_outbox
 
+    def update_buffer(self, size: int) -> memoryview:
+        """Where an update stream of `size` bytes is received (the session's allocator): held by
+        the network until it posts the update (or update_failed)."""
+        return self.pool.acquire(size).view
+
+    def update_failed(self, buffer: Buffer) -> None:
+        """An update stream that failed after update_buffer: its buffer may still be written (a
+        decompression running), so it is never reused."""
+        bid = self.pool.id_of(buffer)
+        if bid is not None:
+            self.pool.discard(bid)
+
     def post_plan(self, plan: Plan) -> None:
         with self._posted:
             self._plan = plan
             # Requests and updates of an older plan mean nothing under the new one.
+            dropped = list(self._updates.values())
             self._updates.clear()
             self._requests.clear()
             self._posted.notify_all()
+        for adopt in dropped:
+            self._drop_update(adopt)
 
     def post_update(self, adopt: Adopt) -> None:
+        """Hand an update (and the buffer it was received in) to the training side."""
         with self._posted:
-            kept = newer_update(self._updates.get(adopt.fragment), adopt)
+            pending = self._updates.get(adopt.fragment)
+            kept = newer_update(pending, adopt)
             if kept is not None:
                 self._updates[adopt.fragment] = kept
             self._posted.notify_all()
+        # The update that waits no more (the older one, replaced or refused) lets go of its buffer.
+        if kept is None:
+            self._drop_update(adopt)
+        elif pending is not None and pending.buffer is not kept.buffer:
+            self._drop_update(pending)
+
+    def _drop_update(self, adopt: Adopt) -> None:
+        """An update the training side will never see: its buffer goes back."""
+        self.release(adopt.buffer)
+
+    def snapshot_done(self, snapshot: Snapshot) -> None:
+        """The push no longer needs the snapshot's θ and anchor (it is sent, refused, or dropped)."""
+        self.release(snapshot.theta)
+        self.release(snapshot.anchor)
 
     def post_request(self, request: FragmentRequest) -> None:
         with self._posted:
@@ -190,15 +234,34 @@ class Bridge:
             if self._plan is None and not self._updates and not self._requests and self._fatal is None:
                 self._posted.wait(timeout_s)
 
-    def snapshot_buffer(self, size: int) -> bytearray:
-        """Where the training loop copies a requested fragment for its snapshot."""
-        return bytearray(size)
+    def snapshot_buffer(self, size: int) -> memoryview:
+        """Where the training loop copies a requested fragment for its snapshot (the network's
+        from send_snapshot on)."""
+        return self.pool.acquire(size).view
 
     def send_snapshot(self, snapshot: Snapshot, *, wake: bool = True) -> None:
+        # The push reads the anchor after the training side may have replaced it.
+        self.hold(snapshot.anchor)
         with self._lock:
+            replaced = self._snapshots.get(snapshot.fragment)
             self._snapshots[snapshot.fragment] = snapshot
+        if replaced is not None:
+            self.snapshot_done(replaced)
         if wake:
             self._wake()
+
+    def hold(self, buffer: Buffer) -> None:
+        """One more holder of one of the pool's buffers (nothing for other memory)."""
+        bid = self.pool.id_of(buffer)
+        if bid is not None:
+            self.pool.hold(bid)
+
+    def release(self, buffer: Buffer) -> None:
+        """One holder fewer of one of the pool's buffers (nothing for other memory): the training
+        loop's anchor replaced, an update it will not apply, a push done."""
+        bid = self.pool.id_of(buffer)
+        if bid is not None:
+            self.pool.release(bid)
 
     def report_step(self, item: StepReportItem, *, wake: bool = True) -> None:
         with self._lock:

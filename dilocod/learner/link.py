@@ -4,7 +4,11 @@ reconnection with capped exponential backoff and jitter when the session is lost
 
 Outer gradients are computed here, never on the training thread: δ = anchor - θ (float32) from a
 snapshot the training thread took at a step boundary, in a worker thread, with the chunk checksums
-computed in the same pass over the bytes (the session then hashes nothing). Failures that no
+computed in the same pass over the bytes (the session then hashes nothing). δ is written over θ in
+the snapshot's own buffer, and the anchor is the update's buffer the training side applied: no
+fragment is copied here. Updates are received straight into buffers of the bridge
+(Bridge.update_buffer, the session's allocator); each buffer goes back to the bridge once this
+side is done with it (Bridge.snapshot_done when a push no longer needs its snapshot). Failures that no
 reconnect can fix (the syncer's model is not ours, wrong credentials, no common protocol version,
 another live learner under our id) are posted to the training thread as fatal.
 
@@ -33,14 +37,14 @@ import structlog
 import torch
 
 from dilocod.config import Address
-from dilocod.learner.bridge import Adopt, Bridge, Snapshot
+from dilocod.learner.bridge import Adopt, Bridge, Buffer, Snapshot
 from dilocod.learner.layout import PlanMismatch, check_plan
 from dilocod.outer.gradient import pseudo_gradient
 from dilocod.precision import encode, tensor_views
 from dilocod.transport.endpoints import connect
 from dilocod.transport.errors import HandshakeFailed, SessionClosed, TransferFailed
 from dilocod.transport.options import TransportOptions
-from dilocod.transport.session import FragmentReceived, Session
+from dilocod.transport.session import FragmentReceived, Session, allocate_bytearray
 from dilocod.transport.tuning import (
     Advice,
     CodecChoice,
@@ -66,6 +70,7 @@ from dilocod.wire.messages import (
     StepReport,
     UpdateHeader,
 )
+from dilocod.wire.stream import StreamHeader
 
 log = structlog.get_logger("dilocod.learner")
 
@@ -153,26 +158,30 @@ def compute_push(
     chunk_bytes: int,
     precision: str = "fp32",
     residual: list[torch.Tensor] | None = None,
-) -> tuple[tuple[TensorEntry, ...], bytearray, list[int]]:
+    *,
+    in_place: bool = False,
+) -> tuple[tuple[TensorEntry, ...], Buffer, list[int]]:
     """δ = anchor - θ (float32), laid out at the wire precision (lossy ones with error feedback
-    through residual), and its chunk checksums. Runs in the push worker thread."""
+    through residual), and its chunk checksums. Runs in the push worker thread. in_place: δ is
+    written over θ in the snapshot's buffer (fp32: that buffer is what goes on the wire)."""
     if snapshot.ready is not None:
         snapshot.ready.wait()  # the push worker's thread: waiting here costs training nothing
-    out = bytearray(len(snapshot.theta))
-    if out:
+    out: Buffer = snapshot.theta if in_place else bytearray(len(snapshot.theta))
+    if len(out):
         # The whole fragment as one flat tensor (padding included: zero in both, zero in δ),
         # written straight into the bytes that go on the wire.
+        theta = torch.frombuffer(snapshot.theta, dtype=torch.float32)
         pseudo_gradient(
             [torch.frombuffer(snapshot.anchor, dtype=torch.float32)],
-            [torch.frombuffer(snapshot.theta, dtype=torch.float32)],
-            out=[torch.frombuffer(out, dtype=torch.float32)],
+            [theta],
+            out=[theta if in_place else torch.frombuffer(out, dtype=torch.float32)],
         )
     if precision != "fp32":
         manifest, out = encode(tensor_views(out, manifest), [e.name for e in manifest], precision, residual)
     return manifest, out, chunk_checksums(out, chunk_bytes)
 
 
-def codec_figures(data: bytearray, chunk_bytes: int) -> list[CodecFigure]:
+def codec_figures(data: Buffer, chunk_bytes: int) -> list[CodecFigure]:
     """The codecs timed on a spread of whole chunks of an outer gradient, as pushes compress them.
     Runs in the push worker thread."""
     sample = spread_sample(data, chunk_bytes, CODEC_SAMPLE_BYTES)
@@ -206,6 +215,9 @@ class Link:
         self._options = TransportOptions(chunk_bytes=config.chunk_bytes)
         self._meter = PushMeter(min_bytes=MIN_PERIOD_BYTES)
         self._measuring = False
+        #: Snapshots (by id) whose outer gradients the push worker is computing or has queued
+        #: (each written over its θ).
+        self._computing: set[int] = set()
         self._streams, self._codec, self._tuner = self._resolve_auto()
         self.stats.codec = self._codec
 
@@ -298,11 +310,13 @@ class Link:
                 streams=self._streams or 0,
                 options=self._options,
                 data_streams=auto,
+                allocate=self._update_buffer,
             )
         except HandshakeFailed as exc:
             if exc.code in FATAL_CODES:
                 raise FatalLinkError(f"the syncer refused this learner: {exc}") from None
             raise
+        session.on_inbound_failed = self._update_failed
         self.session = session
         self.stats.sessions += 1
         self.stats.streams = len(session.data)
@@ -342,6 +356,27 @@ class Link:
             self.stats.connected = False
             self.session = None
             await session.close("learner leaving" if stop.is_set() else "learner reconnecting")
+            await self._drop_unread(session)
+
+    async def _drop_unread(self, session: Session) -> None:
+        """Updates the closed session received and nobody read: their buffers go back."""
+        with contextlib.suppress(SessionClosed, TimeoutError):
+            async with asyncio.timeout(1.0):  # closed: recv hands out what is queued, then raises
+                while True:
+                    item = await session.recv()
+                    if isinstance(item, FragmentReceived) and isinstance(item.header, UpdateHeader):
+                        self.bridge.release(item.buffer)
+
+    def _update_buffer(self, header: StreamHeader) -> memoryview:
+        """The session's allocator: an update lands in a buffer of the bridge, which the training
+        side applies and keeps as the fragment's anchor (no copy on the way)."""
+        if not isinstance(header, UpdateHeader):
+            return allocate_bytearray(header)  # a syncer sends updates only; read, then ignored
+        return self.bridge.update_buffer(header.raw_bytes)
+
+    def _update_failed(self, header: StreamHeader, buffer: memoryview) -> None:
+        if isinstance(header, UpdateHeader):
+            self.bridge.update_failed(buffer)
 
     def _id_in_use(self, detail: str | None) -> str:
         """The syncer refused this learner's id (LEARNER_ID_IN_USE): what the operator must change,
@@ -398,12 +433,7 @@ class Link:
             self.bridge.post_request(item)
         elif isinstance(item, FragmentReceived) and isinstance(item.header, UpdateHeader):
             header = item.header
-            owner = item.buffer.obj
-            buffer = (
-                owner
-                if isinstance(owner, bytearray) and len(owner) == header.raw_bytes
-                else bytearray(item.buffer)
-            )
+            buffer = item.buffer  # the bridge's (update_buffer): the training side's from here on
             heal = header.fragment in self._healing
             self._healing.discard(header.fragment)
             self.stats.updates_received += 1
@@ -419,7 +449,10 @@ class Link:
         snapshots, steps = self.bridge.drain()
         session = self.session
         if session is None or not session.is_open:
-            return  # the syncer is away: its rounds go on without these; step reports are moot
+            # The syncer is away: its rounds go on without these; step reports are moot.
+            for snapshot in snapshots:
+                self.bridge.snapshot_done(snapshot)
+            return
         for item in steps:
             session.control.send(StepReport.within(item.step, item.tokens, item.step_time_s))
         for snapshot in snapshots:
@@ -433,12 +466,30 @@ class Link:
                         min(snapshot.step or 0, DEFAULT_LIMITS.max_reported_steps),
                     )
                 )
+                self.bridge.snapshot_done(snapshot)
                 continue
             task = asyncio.ensure_future(self._push(session, snapshot))
             self._pushes.add(task)
             task.add_done_callback(self._pushes.discard)
 
     async def _push(self, session: Session, snapshot: Snapshot) -> None:
+        """Compute the snapshot's outer gradient and send it. The snapshot's buffers go back to the
+        bridge once the push no longer reads them: sent, refused, failed or not made; not when
+        cancelled while the worker computes (it may still write into θ: that buffer is never
+        handed out again)."""
+        try:
+            await self._push_one(session, snapshot)
+        except asyncio.CancelledError:
+            if id(snapshot) in self._computing:
+                raise
+            self.bridge.snapshot_done(snapshot)
+            raise
+        except BaseException:
+            self.bridge.snapshot_done(snapshot)
+            raise
+        self.bridge.snapshot_done(snapshot)
+
+    async def _push_one(self, session: Session, snapshot: Snapshot) -> None:
         if snapshot.fragment >= len(self._manifests):
             return
         layout = self._manifests[snapshot.fragment]
@@ -449,9 +500,23 @@ class Link:
             )
         loop = asyncio.get_running_loop()
         work = partial(
-            compute_push, snapshot, layout, self.config.chunk_bytes, self.config.precision, residual
+            compute_push,
+            snapshot,
+            layout,
+            self.config.chunk_bytes,
+            self.config.precision,
+            residual,
+            in_place=True,
         )
-        manifest, data, checksums = await loop.run_in_executor(self._executor, work)
+        self._computing.add(id(snapshot))
+        try:
+            manifest, data, checksums = await loop.run_in_executor(self._executor, work)
+        except asyncio.CancelledError:
+            raise  # the worker may still be at it: id(snapshot) stays
+        except BaseException:
+            self._computing.discard(id(snapshot))
+            raise
+        self._computing.discard(id(snapshot))
         if (
             self._tuner is not None
             and not self._measuring
@@ -498,11 +563,14 @@ class Link:
 
     # ------------------------------------------------------------- --codec auto
 
-    def _measure_codecs(self, loop: asyncio.AbstractEventLoop, data: bytearray) -> None:
+    def _measure_codecs(self, loop: asyncio.AbstractEventLoop, data: Buffer) -> None:
         """Time the codecs on this outer gradient in the push worker thread, once. The push does
-        not wait for it: the next push's gradient is computed after it, in the same thread."""
+        not wait for it: the next push's gradient is computed after it, in the same thread. The
+        sample is taken here (CODEC_SAMPLE_BYTES, a copy): the push's buffer goes back to the
+        bridge when the push is done, and may be written again before the timing runs."""
         self._measuring = True
-        future = loop.run_in_executor(self._executor, codec_figures, data, self.config.chunk_bytes)
+        sample = spread_sample(data, self.config.chunk_bytes, CODEC_SAMPLE_BYTES)
+        future = loop.run_in_executor(self._executor, codec_figures, sample, self.config.chunk_bytes)
         future.add_done_callback(self._codecs_measured)
 
     def _codecs_measured(self, future: asyncio.Future[list[CodecFigure]]) -> None:

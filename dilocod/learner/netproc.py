@@ -24,15 +24,21 @@ nothing costs the training thread 10-15 µs at its boundary, and every boundary 
 learn that the queue is empty. The socket itself is read to its end (which also shows a peer that
 has gone) once every EOF_CHECK_S, and whenever the parent was woken by it.
 
-Messages are small msgpack datagrams. Fragment bytes never go through a socket: they sit in
-memory both processes map (memfd buffers, lent by the side that writes them, their descriptors
-passed once with SCM_RIGHTS, reused once the other side gives them back). The parent gives back an
-update's buffer one boundary after a newer update of that fragment was taken (so the runtime's
-anchor is never overwritten under it), in that boundary's outbox (so a boundary sends one
-datagram); the child copies a snapshot out at once and gives its buffer back with its next inbox
-message (so the training side reads one datagram fewer). The child keeps its own copy of every
-update it delivered, the anchor its outer gradients are computed from (δ = anchor - θ, in the
-child's push worker).
+Messages are small msgpack datagrams. Fragment bytes never go through a socket, and are never
+copied between the processes: they sit in memory both map (memfd buffers, lent by the side that
+writes them, their descriptors passed once with SCM_RIGHTS, reused once nobody holds them; see
+dilocod.learner.buffers). Each fragment's anchor exists once, in the child's memory:
+- an update is received from the syncer straight into a buffer the child lends (the session's
+  allocator); the parent applies it and keeps it as the fragment's anchor, and gives it back (in
+  a boundary's outbox, so a boundary sends one datagram) once the runtime has applied a newer
+  version of the fragment or drops the update unapplied. The child holds it too while a push
+  computes an outer gradient from it; it is reused only when neither side holds it;
+- a snapshot is copied by the training thread into a buffer the parent lends; the snapshot's
+  note names that buffer and its anchor's. The child's push worker writes δ = anchor - θ over θ
+  in that same buffer, sends it, and gives the buffer back once the push is done, with its next
+  inbox message (so the training side reads one datagram fewer) or alone RELEASE_DELAY_S later.
+Beyond the anchors, the buffers in use are the updates not yet applied and the snapshots whose
+pushes are under way: about tau + 2 fragments.
 
 The child ignores SIGINT and SIGTERM: it stops when the parent closes the data socket (after the
 training loop's last boundary) or dies, says goodbye to the syncer, and exits.
@@ -43,6 +49,7 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import mmap
 import os
@@ -61,7 +68,8 @@ from typing import Any
 import msgpack
 import structlog
 
-from dilocod.learner.bridge import Adopt, Bridge, Inbox, Snapshot, StepReportItem, newer_update
+from dilocod.learner.bridge import Adopt, Bridge, Buffer, Inbox, Snapshot, StepReportItem, newer_update
+from dilocod.learner.buffers import BufferOwnershipError, BufferPool
 from dilocod.learner.control import control_from_raw, control_to_raw
 
 log = structlog.get_logger("dilocod.learner")
@@ -337,8 +345,11 @@ class ProcessBridge:
         self._updates: dict[int, tuple[Adopt, int]] = {}  # fragment -> (update, buffer id)
         self._requests: dict[int, Any] = {}
         self._fatal: str | None = None
-        self._anchors: dict[int, int] = {}  # fragment -> buffer id the runtime may still read
-        self._release_next: list[int] = []
+        #: The child's update buffers this side holds (the mailbox, the runtime, snapshots not yet
+        #: sent that name them as anchor): buffer id -> holders; and id(view) -> (buffer id, view)
+        #: for the views handed to the runtime (the view is kept, so its id stays its own).
+        self._holders: dict[int, int] = {}
+        self._views: dict[int, tuple[int, memoryview]] = {}
         #: The child's buffers to give back: they go with the boundary's outbox (one datagram, one
         #: sendmsg per boundary instead of two; a sendmsg is 30 µs of the training thread's time).
         self._releases: list[int] = []
@@ -358,17 +369,39 @@ class ProcessBridge:
             self._fatal,
         )
         self._plan = None
-        self._releases += self._release_next
-        self._release_next = []
         for fragment in sorted(self._updates):
-            adopt, bid = self._updates.pop(fragment)
+            # The mailbox's hold on the buffer becomes the runtime's (release gives it back).
+            adopt, _bid = self._updates.pop(fragment)
             inbox.updates.append(adopt)
-            previous = self._anchors.get(fragment)
-            if previous is not None:
-                # The runtime replaces its anchor at this boundary; give the old one back at the next.
-                self._release_next.append(previous)
-            self._anchors[fragment] = bid
         return inbox
+
+    def release(self, buffer: Buffer) -> None:
+        """The runtime no longer reads an update's buffer (its anchor replaced, or the update not
+        applied): given back with the boundary's outbox, unless a snapshot not sent yet names it."""
+        held = self._views.get(id(buffer))
+        if held is not None and held[1] is buffer:
+            self._let_go(held[0])
+
+    def _hold(self, bid: int) -> None:
+        self._holders[bid] = self._holders.get(bid, 0) + 1
+
+    def _let_go(self, bid: int) -> None:
+        holders = self._holders.get(bid, 0) - 1
+        if holders < 0:
+            raise BufferOwnershipError(f"the network process's buffer {bid} let go of, but not held")
+        if holders:
+            self._holders[bid] = holders
+            return
+        del self._holders[bid]
+        for key, (held, _view) in list(self._views.items()):
+            if held == bid:
+                del self._views[key]
+        self._releases.append(bid)
+
+    def _anchor_id(self, anchor: Buffer) -> int:
+        """The child's buffer id of a snapshot's anchor (-1: not one of its buffers)."""
+        held = self._views.get(id(anchor))
+        return held[0] if held is not None and held[1] is anchor else -1
 
     def wait(self, timeout_s: float) -> None:
         """Block until the child sends something or timeout_s passes (tau = 0, the first heal)."""
@@ -386,6 +419,9 @@ class ProcessBridge:
         return view
 
     def send_snapshot(self, snapshot: Snapshot, *, wake: bool = True) -> None:
+        anchor = self._anchor_id(snapshot.anchor)
+        if anchor >= 0:
+            self._hold(anchor)  # until the note naming it is queued (a deferred copy may wait)
         self._snapshots.append(snapshot)
         if wake:
             self.flush()
@@ -401,6 +437,7 @@ class ProcessBridge:
         must not wait for the GPU to drain the step it has just queued."""
         snapshots, self._snapshots = self._snapshots, []
         notes = []
+        noted: list[int] = []  # anchors named by the notes: let go of once the notes are queued
         for snapshot in snapshots:
             if snapshot.empty:
                 # NOTHING_TO_PUSH: no bytes travel, no buffer is lent (buffer id -1).
@@ -415,6 +452,7 @@ class ProcessBridge:
                         0,
                         snapshot.step,
                         None,
+                        -1,
                     ]
                 )
                 continue
@@ -429,6 +467,9 @@ class ProcessBridge:
                 view[:] = snapshot.theta
                 lent = self._lent_views.pop(id(view))
             bid = lent[0]
+            anchor = self._anchor_id(snapshot.anchor)
+            if anchor >= 0:
+                noted.append(anchor)
             notes.append(
                 [
                     snapshot.fragment,
@@ -440,8 +481,13 @@ class ProcessBridge:
                     len(snapshot.theta),
                     snapshot.step,
                     snapshot.apply_late,
+                    anchor,
                 ]
             )
+        for anchor in noted:
+            # The child reads the notes before the releases of the same message: it holds the
+            # anchor from its note on, whatever this side gives back now.
+            self._let_go(anchor)
         if notes or self._steps or self._releases:
             steps = [[s.step, s.tokens, s.step_time_s] for s in self._steps]
             self._steps = []
@@ -485,33 +531,30 @@ class ProcessBridge:
         if control.plan is not None:
             self._plan = control.plan
             # Updates and requests of an older plan mean nothing under the new one.
-            self._release_now([bid for _, bid in self._updates.values()])
+            for _, pending_bid in self._updates.values():
+                self._let_go(pending_bid)
             self._updates.clear()
             self._requests.clear()
-        for note, bid in zip(control.updates, ids, strict=True):
-            adopt = Adopt(
-                note.fragment,
-                note.version,
-                self._mapper.view(int(bid), note.nbytes),
-                note.heal,
-                note.incarnation,
-            )
+        for note, raw_bid in zip(control.updates, ids, strict=True):
+            bid = int(raw_bid)
+            view = self._mapper.view(bid, note.nbytes)
+            if bid in self._holders:
+                raise NetworkProcessError(f"buffer {bid} lent again while this side still holds it")
+            self._hold(bid)  # the mailbox's, then the runtime's
+            self._views[id(view)] = (bid, view)
+            adopt = Adopt(note.fragment, note.version, view, note.heal, note.incarnation)
             pending = self._updates.get(note.fragment)
             kept = newer_update(None if pending is None else pending[0], adopt)
             if kept is None:
-                self._release_now([int(bid)])
+                self._let_go(bid)
                 continue
-            self._updates[note.fragment] = (kept, int(bid))
+            self._updates[note.fragment] = (kept, bid)
             if pending is not None:
-                self._release_now([pending[1]])
+                self._let_go(pending[1])
         for request in control.requests:
             self._requests[request.fragment] = request
         if control.fatal is not None:
             self._fatal = control.fatal
-
-    def _release_now(self, ids: list[int]) -> None:
-        """Give these back with this boundary's outbox (flush)."""
-        self._releases += ids
 
     def _died(self, why: str) -> None:
         status = None if self.process is None else self.process.poll()
@@ -608,26 +651,62 @@ def open_network_process() -> tuple[ProcessBridge, SideReader, socket.socket]:
 
 class ChildBridge(Bridge):
     """The Link's Bridge in the child: what the Link posts is forwarded to the parent (once per
-    loop iteration), what the parent sends is handed to the Link as snapshots and step reports."""
+    loop iteration), what the parent sends is handed to the Link as snapshots and step reports.
+
+    Its pool's buffers are shared memory the parent maps: the Link receives updates into them,
+    and the parent holds each one it was sent until it gives it back ("release" in its outbox)."""
 
     def __init__(self, channel: Channel) -> None:
         super().__init__()
         self.channel = channel
         self._mapper = Mapper()
-        self._lender = Lender()
-        self._delivered: dict[int, dict[int, bytearray]] = {}
+        #: This side's buffers' mappings and the descriptors not yet passed to the parent.
+        self._maps: dict[int, mmap.mmap] = {}
+        self._unsent_fds: dict[int, int] = {}
+        self.pool = BufferPool(self._shared_buffer)
+        #: id(θ view) -> (the parent's buffer id, the view) for the snapshots the Link holds.
+        self._thetas: dict[int, tuple[int, memoryview]] = {}
         self._forward_handle: asyncio.TimerHandle | None = None
         #: When the training side's last boundary was seen (its outbox), by the loop's clock, and
         #: its recent step times: what tells the child how long a message may wait to be forwarded.
         self._boundary_at: float | None = None
         self._step_times: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
         self._overlap: int | None = None  # tau from the plan; until a plan, nothing waits
-        #: The training side's snapshot buffers, copied out and waiting to be given back with the
+        #: The training side's snapshot buffers, pushed and waiting to be given back with the
         #: next inbox message (or alone, RELEASE_DELAY_S after the first of them).
         self._releases: list[int] = []
         self._release_timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.closed = asyncio.Event()
+
+    def _shared_buffer(self, bid: int, size: int) -> memoryview:
+        """The pool's make: a memfd, passed to the parent with the first update it carries."""
+        fd, self._maps[bid] = _shared_memory(f"dilocod-{bid}", size)
+        self._unsent_fds[bid] = fd
+        return memoryview(self._maps[bid])[:size]
+
+    def update_failed(self, buffer: Buffer) -> None:
+        bid = self.pool.id_of(buffer)
+        super().update_failed(buffer)
+        if bid is not None:
+            # Never handed out again; the mapping lives on while the transport's view of it does.
+            self._maps.pop(bid, None)
+            fd = self._unsent_fds.pop(bid, None)
+            if fd is not None:
+                os.close(fd)
+
+    def snapshot_done(self, snapshot: Snapshot) -> None:
+        """The push is done with θ (the parent's buffer: given back) and the anchor (ours)."""
+        self.release(snapshot.anchor)
+        lent = self._thetas.pop(id(snapshot.theta), None)
+        if lent is not None and lent[1] is snapshot.theta:
+            self._give_back(lent[0])
+
+    def _give_back(self, bid: int) -> None:
+        """Give a snapshot buffer back to the parent with the next inbox message, or alone."""
+        self._releases.append(bid)
+        if self._release_timer is None and self._loop is not None:
+            self._release_timer = self._loop.call_later(RELEASE_DELAY_S, self._release_alone)
 
     def start(
         self, loop: asyncio.AbstractEventLoop, backlog: Sequence[tuple[dict[str, Any], list[int]]]
@@ -689,8 +768,6 @@ class ChildBridge(Bridge):
     def _forward(self) -> None:
         self._forward_handle = None
         inbox = self.take()
-        if inbox.plan is not None:
-            self._delivered.clear()
         # A heal delivers every fragment at once: several messages, each within the descriptor limit.
         updates = inbox.updates
         first = True
@@ -701,16 +778,18 @@ class ChildBridge(Bridge):
                 part.fatal = inbox.fatal
             ids, new, fds = [], [], []
             for update in batch:
-                bid, view, fd = self._lender.borrow(len(update.buffer))
-                view[:] = update.buffer
+                # Received in one of our buffers (update_buffer): the mailbox's hold on it becomes
+                # the parent's. Other memory is copied into one.
+                bid = self.pool.id_of(update.buffer)
+                if bid is None:
+                    lease = self.pool.acquire(len(update.buffer))
+                    lease.view[:] = update.buffer
+                    bid = lease.bid
                 ids.append(bid)
+                fd = self._unsent_fds.pop(bid, None)
                 if fd is not None:
                     new.append([bid, len(update.buffer)])
                     fds.append(fd)
-                versions = self._delivered.setdefault(update.fragment, {})
-                versions[update.version] = update.buffer  # the anchor, once the parent applies it
-                for old in sorted(versions)[:-3]:  # the parent applies one of the last few
-                    del versions[old]
             releases, self._releases = self._releases, []
             control = control_to_raw(part)
             message = {"k": "inbox", "control": control, "ids": ids, "new": new, "release": releases}
@@ -776,21 +855,27 @@ class ChildBridge(Bridge):
         return min(max(now + OUTBOX_POLL_S, expected - min(POLL_AHEAD_S, step_s / 4)), now + POLL_MAX_SLEEP_S)
 
     def _handle(self, messages: Sequence[tuple[dict[str, Any], list[int]]]) -> None:
-        released = []
         for message, fds in messages:
             _take_fds(message, fds, self._mapper)
             kind = message["k"]
             if kind == "outbox":
-                for bid in message["release"]:
-                    self._lender.give_back(int(bid))
                 if self._loop is not None:
                     self._boundary_at = self._loop.time()
                 for step, tokens, step_time_s in message["steps"]:
                     self.report_step(StepReportItem(int(step), int(tokens), float(step_time_s)), wake=False)
                     self._step_times.append(float(step_time_s))
-                for fragment, round_, base, c_steps, c_tokens, bid, size, raw_step, raw_late in message[
-                    "snapshots"
-                ]:
+                for (
+                    fragment,
+                    round_,
+                    base,
+                    c_steps,
+                    c_tokens,
+                    bid,
+                    size,
+                    raw_step,
+                    raw_late,
+                    anchor_bid,
+                ) in message["snapshots"]:
                     step = None if raw_step is None else int(raw_step)
                     late = None if raw_late is None else int(raw_late)
                     if int(bid) < 0:  # NOTHING_TO_PUSH: no buffer
@@ -800,45 +885,45 @@ class ChildBridge(Bridge):
                             wake=False,
                         )
                         continue
-                    released.append(bid)
                     theta = self._mapper.view(int(bid), int(size))
-                    self._snapshot(
-                        int(fragment), int(round_), int(base), int(c_steps), int(c_tokens), theta, step, late
+                    self._thetas[id(theta)] = (int(bid), theta)
+                    snapshot = Snapshot(
+                        int(fragment),
+                        int(round_),
+                        int(base),
+                        int(c_steps),
+                        int(c_tokens),
+                        theta,
+                        bytearray(),
+                        step=step,
+                        apply_late=late,
                     )
+                    self._snapshot(snapshot, int(anchor_bid))
+                # After the snapshots, which hold the anchors they name: what the parent gives
+                # back here may be one of them, and must not be reused while a push reads it.
+                for bid in message["release"]:
+                    try:
+                        self.pool.release(int(bid))
+                    except BufferOwnershipError as exc:
+                        raise NetworkProcessError(f"the training process gave back {bid}: {exc}") from None
             elif kind != "new":
                 log.error("unexpected message from the training process", kind=kind)
-        if released:
-            self._releases += released
-            if self._release_timer is None and self._loop is not None:
-                self._release_timer = self._loop.call_later(RELEASE_DELAY_S, self._release_alone)
         self.flush()
 
-    def _snapshot(
-        self,
-        fragment: int,
-        round_: int,
-        base: int,
-        c_steps: int,
-        c_tokens: int,
-        lent: memoryview,
-        step: int | None = None,
-        apply_late: int | None = None,
-    ) -> None:
-        anchor = self._delivered.get(fragment, {}).get(base)
-        if anchor is None or len(anchor) != len(lent):
-            log.warning("no anchor for a snapshot: not pushed", fragment=fragment, base_version=base)
+    def _snapshot(self, snapshot: Snapshot, anchor_bid: int) -> None:
+        """Hand a snapshot (θ in the parent's buffer) to the Link with its anchor: our buffer the
+        parent applied, held by the snapshot until the push is done (snapshot_done)."""
+        anchor = self.pool.view(anchor_bid) if self.pool.holders(anchor_bid) > 0 else None
+        if anchor is None or len(anchor) != len(snapshot.theta):
+            log.warning(
+                "no anchor for a snapshot: not pushed",
+                fragment=snapshot.fragment,
+                base_version=snapshot.base_version,
+            )
+            self.snapshot_done(snapshot)
             return
-        # Copied out at once, so the training process can reuse its buffer for the next snapshot.
-        theta = bytearray(lent)
-        versions = self._delivered[fragment]
-        for old in [v for v in versions if v < base]:
-            del versions[old]
-        self.send_snapshot(
-            Snapshot(
-                fragment, round_, base, c_steps, c_tokens, theta, anchor, step=step, apply_late=apply_late
-            ),
-            wake=False,
-        )
+        # send_snapshot holds the anchor for the push.
+        self.send_snapshot(dataclasses.replace(snapshot, anchor=anchor), wake=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,8 @@ outer loop's two touches on the parameters (docs/design.md §3.3). Parameters ch
 
 At a step boundary, in this order (when is decided by dilocod.learner.cadence):
 1. merged fragments that are due are applied (heal: overwrite; otherwise the chosen mode), and the
-   update's buffer becomes the fragment's anchor;
+   update's buffer becomes the fragment's anchor (the one it replaces goes back to the bridge,
+   bridge.release, as does the buffer of an update that will never be applied);
 2. requested fragments that are due are copied out (to host memory, in wire layout) with their
    counters and anchor, for the network (thread or process) to turn into a push; the counters
    restart there, at the send (and where an overwrite drops the local progress). A fragment with
@@ -386,14 +387,24 @@ class TrainingLoop:
                 self.in_flight.clear()
             # Requests and updates of the old session mean nothing under the new plan.
             self.requests.clear()
+            for adopt in self.held.values():
+                self._let_go(adopt.buffer)
             self.held.clear()
+            for fragment in [p for p in self.anchors if p >= len(self.layouts)]:
+                self._let_go(self.anchors.pop(fragment))  # no such fragment under the new plan
+                self.versions.pop(fragment, None)
             self.given_up.clear()
             self.next_round, self.newest_request = plan.next_round, -1
             self.incarnation = plan.incarnation
         for adopt in inbox.updates:
-            kept = newer_update(self.held.get(adopt.fragment), adopt)
-            if kept is not None:
-                self.held[adopt.fragment] = kept
+            pending = self.held.get(adopt.fragment)
+            kept = newer_update(pending, adopt)
+            if kept is None:
+                self._let_go(adopt.buffer)
+                continue
+            self.held[adopt.fragment] = kept
+            if pending is not None and pending.buffer is not kept.buffer:
+                self._let_go(pending.buffer)
         for request in inbox.requests:
             self.requests[request.fragment] = request  # a newer round of a fragment replaces the older
             self.newest_request = max(self.newest_request, request.round)
@@ -507,8 +518,15 @@ class TrainingLoop:
         if self.leader:
             self.bridge.report_step(StepReportItem(self.step_index, tokens, elapsed), wake=False)
 
+    def _let_go(self, buffer: Buffer) -> None:
+        """This loop no longer reads an update's buffer (rank 0's came from the bridge; the other
+        ranks of an island have their own copies)."""
+        if self.leader:
+            self.bridge.release(buffer)
+
     def _apply(self, adopt: Adopt) -> None:
         if adopt.fragment >= len(self.layouts):
+            self._let_go(adopt.buffer)
             return
         sent = self.in_flight.get(adopt.fragment)
         if sent is not None and (adopt.heal or adopt.version > sent.base_version):
@@ -523,7 +541,12 @@ class TrainingLoop:
         mode = self._mode(adopt.fragment, heal=adopt.heal)
         sent = self.sent.get(adopt.fragment) if mode == "keep-local" else None
         apply_update_(list(layout.params), new, mode, alpha=self.config.mix_alpha, sent=sent)
+        # Read no more once applied (a copy to the device is complete when to() returns): the
+        # anchor it replaces goes back, and a push still computed from that one holds it.
+        replaced = self.anchors.get(adopt.fragment)
         self.anchors[adopt.fragment] = adopt.buffer
+        if replaced is not None and replaced is not adopt.buffer:
+            self._let_go(replaced)
         self.versions[adopt.fragment] = adopt.version
         if mode == "overwrite":
             # The local progress on this fragment is gone (a heal, or --apply overwrite): the next

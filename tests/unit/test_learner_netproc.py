@@ -1,8 +1,9 @@
 """The process boundary of the learner's network (dilocod.learner.netproc) on real sockets and real
 shared memory, both ends in this process: datagrams with descriptors, lent buffers and their
 return, and the two bridges talking (an update reaches the training side byte for byte in memory
-the child wrote; a snapshot reaches the child with the anchor it delivered; superseded and applied
-buffers come back)."""
+the child received it in; a snapshot reaches the child with that very buffer as its anchor and θ in
+the parent's buffer; superseded and replaced buffers come back, and a buffer a push still reads is
+not reused)."""
 
 from __future__ import annotations
 
@@ -154,6 +155,19 @@ def pair() -> Iterator[tuple[ProcessBridge, _Child]]:
         child.close()
 
 
+def _receive(child: _Child, fragment: int, version: int, data: bytes, heal: bool = False) -> memoryview:
+    """What the Link does with an update: received into a buffer of the child's (the session's
+    allocator), then posted; the buffer it landed in."""
+
+    def run() -> memoryview:
+        buffer = child.bridge.update_buffer(len(data))
+        buffer[:] = data
+        child.bridge.post_update(Adopt(fragment, version, buffer, heal, "inc"))
+        return buffer
+
+    return child.call(run)
+
+
 def _take_until(parent: ProcessBridge, predicate) -> object:  # type: ignore[no-untyped-def]
     """Step boundaries (take, then flush, as the runtime does) until predicate(inbox) holds."""
     for _ in range(100):
@@ -169,11 +183,14 @@ def test_updates_cross_in_shared_memory_and_snapshots_come_back(pair: tuple[Proc
     parent, child = pair
     first = bytearray(range(256)) * 16
 
-    def post_both() -> None:  # in one turn of the child's loop, so they are forwarded together
-        child.bridge.post_update(Adopt(3, 7, first, True, "inc"))
+    def post_both() -> memoryview:  # in one turn of the child's loop, so they are forwarded together
+        buffer = child.bridge.update_buffer(len(first))
+        buffer[:] = first
+        child.bridge.post_update(Adopt(3, 7, buffer, True, "inc"))
         child.bridge.post_request(FragmentRequest(3, 11, 7))
+        return buffer
 
-    child.call(post_both)
+    received = child.call(post_both)
     inbox = _take_until(parent, lambda i: i.updates)
     (update,) = inbox.updates
     assert (update.fragment, update.version, update.heal, update.incarnation) == (3, 7, True, "inc")
@@ -205,27 +222,40 @@ def test_updates_cross_in_shared_memory_and_snapshots_come_back(pair: tuple[Proc
         640,
     )
     assert bytes(snapshot.theta) == bytes(reversed(first))
-    assert snapshot.anchor is first  # the child's own copy of what it delivered, not shared memory
+    # The anchor is the buffer the update was received in (one copy of it, shared), θ the parent's.
+    assert snapshot.anchor is received
+    update.buffer[0] ^= 0xFF
+    assert snapshot.anchor[0] == first[0] ^ 0xFF
+    theta[1] ^= 0xFF
+    assert snapshot.theta[1] == first[-2] ^ 0xFF
     assert steps == [StepReportItem(5, 128, 0.02)]
-    # The child copied θ out and gave the buffer back: the next snapshot reuses it.
+    # θ is the push's until it is done; then it goes back, and the next snapshot reuses it.
+    assert parent._lender.lent == 1
+    child.call(child.bridge.snapshot_done, snapshot)
     _take_until(parent, lambda _: parent._lender.lent == 0)
     assert parent.snapshot_buffer(len(first)).obj is theta.obj
 
 
 def test_superseded_and_replaced_updates_are_given_back(pair: tuple[ProcessBridge, _Child]) -> None:
     parent, child = pair
+    held = lambda: child.call(lambda: child.bridge.pool.held)  # noqa: E731
     for version in (1, 2):
-        child.call(child.bridge.post_update, Adopt(0, version, bytearray([version]) * 64, False, "i"))
+        _receive(child, 0, version, bytes([version]) * 64)
         child.forwarded()  # each in its own datagram: two inbox messages, two buffers
     inbox = _take_until(parent, lambda i: i.updates)
     assert [u.version for u in inbox.updates] == [2]  # the newer replaced the older before it was taken
-    _take_until(parent, lambda _: child.call(lambda: child.bridge._lender.lent) == 1)
-    child.call(child.bridge.post_update, Adopt(0, 3, bytearray([3]) * 64, False, "i"))
+    _take_until(parent, lambda _: held() == 1)
+    anchor = inbox.updates[0].buffer  # type: ignore[attr-defined]
+    _receive(child, 0, 3, bytes([3]) * 64)
     inbox = _take_until(parent, lambda i: i.updates)
     assert bytes(inbox.updates[0].buffer) == bytes([3]) * 64
-    # Version 2 was the runtime's anchor until this boundary: it goes back at the next one.
-    assert child.call(lambda: child.bridge._lender.lent) == 2
-    _take_until(parent, lambda _: child.call(lambda: child.bridge._lender.lent) == 1)
+    # Version 2 is the runtime's anchor until it says otherwise (it applied version 3).
+    for _ in range(3):
+        _take_until(parent, lambda _: True)
+    assert held() == 2
+    parent.release(anchor)
+    _take_until(parent, lambda _: held() == 1)
+    assert child.call(lambda: child.bridge.pool.buffers) == 2  # two buffers made, one reused
 
 
 def test_a_child_that_is_gone_is_an_error_not_a_hang(pair: tuple[ProcessBridge, _Child]) -> None:
@@ -347,10 +377,12 @@ def test_given_back_buffers_ride_on_the_next_inbox_message(
     snapshot, copy = _snapshot_in_flight(parent, child, fragment=1, round_=4, size=128)
     copy.finished = True
     parent.send_snapshot(snapshot)
-    _drain_snapshots(child, 1)
+    (pushed,) = _drain_snapshots(child, 1)
+    assert child.call(lambda: list(child.bridge._releases)) == []  # the push holds θ
+    child.call(child.bridge.snapshot_done, pushed)  # the push is done
     pending = child.call(lambda: list(child.bridge._releases))
-    assert len(pending) == 1 and parent._lender.lent == 1  # copied out, held by the child
-    child.call(child.bridge.post_update, Adopt(1, 2, bytearray(128), False, "inc"))
+    assert len(pending) == 1 and parent._lender.lent == 1  # pushed, held by the child
+    _receive(child, 1, 2, bytes(128))
     inbox = _take_until(parent, lambda i: i.updates)
     assert [u.version for u in inbox.updates] == [2]
     assert parent._lender.lent == 0  # given back by the very message that brought the update

@@ -1,9 +1,9 @@
 """A scripted learner for bench/scale.py: it joins the syncer with the scale model's parameter list,
 heals (receives every fragment), reports a step every --step-s, answers every fragment request at
 once with a push of a constant outer gradient, and drops every update it receives. It holds no
-model: its memory is one anchor and one snapshot buffer per fragment size. To the syncer it is a
-learner like any other (the same Link, the same protocol), so M of them load its merges, its
-sends and its event loop as M learners would.
+model: its memory is one anchor per fragment size and the link's pool of push and update
+buffers. To the syncer it is a learner like any other (the same Link, the same protocol), so M of
+them load its merges, its sends and its event loop as M learners would.
 
     PYTHONPATH=bench python bench/scale_pusher.py --syncer 127.0.0.1:7070 --id p0 --layers 15
 """
@@ -15,6 +15,7 @@ import asyncio
 import signal
 from typing import Any
 
+import torch
 from scale_entry import TOKENS_PER_STEP, build
 
 from dilocod.learner.bridge import Adopt, Bridge, Snapshot, StepReportItem
@@ -37,7 +38,7 @@ class ScriptedSide(Bridge):
         self.plan: Plan | None = None
         self.versions: dict[int, int] = {}
         self.sizes: dict[int, int] = {}
-        self.buffers: dict[int, tuple[bytearray, bytearray]] = {}
+        self.anchors: dict[int, bytearray] = {}
         self.step = 0
         self.pushed_at: dict[int, int] = {}
 
@@ -52,12 +53,16 @@ class ScriptedSide(Bridge):
 
     def post_update(self, adopt: Adopt) -> None:
         self.versions[adopt.fragment] = max(self.versions.get(adopt.fragment, 0), adopt.version)
+        self._drop_update(adopt)  # nothing applies it: its buffer goes back to the pool at once
 
     def post_request(self, request: FragmentRequest) -> None:
         size = self.sizes.get(request.fragment)
         if size is None:
             return
-        anchor, theta = self._buffers(size)
+        anchor = self._anchor(size)
+        # The push computes its outer gradient in place, over theta: a pool buffer, filled anew.
+        theta = self.snapshot_buffer(size)
+        torch.frombuffer(theta, dtype=torch.float32).fill_(-DELTA)
         steps = max(1, self.step - self.pushed_at.get(request.fragment, 0))
         self.pushed_at[request.fragment] = self.step
         self.send_snapshot(
@@ -77,16 +82,11 @@ class ScriptedSide(Bridge):
     def post_fatal(self, message: str) -> None:
         raise SystemExit(f"scale pusher: {message}")
 
-    def _buffers(self, size: int) -> tuple[bytearray, bytearray]:
-        pair = self.buffers.get(size)
-        if pair is None:
-            anchor = bytearray(size)
-            theta = bytearray(size)
-            import torch
-
-            torch.frombuffer(theta, dtype=torch.float32).fill_(-DELTA)
-            pair = self.buffers[size] = (anchor, theta)
-        return pair
+    def _anchor(self, size: int) -> bytearray:
+        anchor = self.anchors.get(size)
+        if anchor is None:
+            anchor = self.anchors[size] = bytearray(size)
+        return anchor
 
     def tick(self, step_s: float) -> None:
         self.step += 1

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from dilocod.ops.figures import quantiles
 from dilocod.outer.schedule import due_step, round_fragment, rounds_due
 from dilocod.wire.messages import Plan
 
@@ -96,12 +97,3 @@ class Lateness:
             "late_applies": self.late_applies,
             "apply_late_steps": quantiles(self.applies),
         }
-
-
-def quantiles(samples: deque[int]) -> dict[str, int]:
-    """p50, p99 and max of the samples (0 for none)."""
-    if not samples:
-        return {"p50": 0, "p99": 0, "max": 0}
-    ordered = sorted(samples)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    return {"p50": pick(0.5), "p99": pick(0.99), "max": ordered[-1]}

@@ -179,6 +179,7 @@ def _run(setup: LearnerSetup, device: torch.device, island: Island | None, notif
             "sent_bytes": stats.get("bytes_sent", 0),
             "received_bytes": stats.get("bytes_received", 0),
             "refused": stats.get("pushes_refused", 0),
+            "loop_lag_ms": stats.get("loop_lag_ms") or None,
         }
 
     loop = TrainingLoop(setup.runtime, trainer, bridge, device, setup.link.learner_id, island, network_status)

@@ -28,7 +28,7 @@ import random
 import secrets
 import ssl
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Literal
@@ -39,6 +39,7 @@ import torch
 from dilocod.config import Address
 from dilocod.learner.bridge import Adopt, Bridge, Buffer, Snapshot
 from dilocod.learner.layout import PlanMismatch, check_plan
+from dilocod.ops.looplag import LoopLag
 from dilocod.outer.gradient import pseudo_gradient
 from dilocod.precision import encode, tensor_views
 from dilocod.transport.endpoints import connect
@@ -150,6 +151,8 @@ class LinkStats:
     #: Data connections of the current session, and the codec pushes use now.
     streams: int = 0
     codec: str = ""
+    #: How late this link's event loop wakes (ms, p50/p99/max over the last minute; ops.looplag).
+    loop_lag_ms: dict[str, float] = field(default_factory=dict)
 
 
 def compute_push(
@@ -259,6 +262,7 @@ class Link:
     async def run(self, stop: asyncio.Event) -> None:
         self._loop = asyncio.get_running_loop()
         self.bridge.attach(self._loop, self._on_outbox)
+        lag = asyncio.ensure_future(LoopLag().watch(partial(setattr, self.stats, "loop_lag_ms")))
         attempt = 0
         try:
             while not stop.is_set():
@@ -291,6 +295,7 @@ class Link:
                     async with asyncio.timeout(delay * random.uniform(0.5, 1.0)):
                         await stop.wait()
         finally:
+            lag.cancel()
             for task in list(self._pushes):
                 task.cancel()
             self._executor.shutdown(wait=False, cancel_futures=True)

@@ -16,7 +16,7 @@ import gc
 import math
 import ssl
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -27,6 +27,8 @@ from typing import Any
 import structlog
 
 from dilocod.config import SyncerConfig
+from dilocod.ops.figures import quantiles
+from dilocod.ops.looplag import LoopLag
 from dilocod.outer.guard import Verdict
 from dilocod.precision import PRECISIONS, decode, precision_of, push_layout
 from dilocod.syncer.checkpoint import CheckpointPruneError, SyncerState, save_checkpoint
@@ -58,9 +60,6 @@ log = structlog.get_logger("dilocod.syncer")
 JOIN_TIMEOUT_S = 30.0
 #: An update that fails this many times in a row is given up until the next version.
 UPDATE_ATTEMPTS = 3
-#: The event loop's lag is sampled this often; the last LAG_SAMPLES make the status figures.
-LAG_INTERVAL_S = 0.05
-LAG_SAMPLES = 1200
 #: Learners the status lists at most (connected ones first, then those that left last), so that it
 #: stays far inside its frame limit (about 400 bytes a learner) however many ids are live.
 STATUS_MAX_LEARNERS = 2048
@@ -166,7 +165,7 @@ class SyncerService:
         self._merges: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._server: Server | None = None
-        self._lag_ms: deque[float] = deque(maxlen=LAG_SAMPLES)
+        self._lag = LoopLag()
         self._merge_started: dict[int, float] = {}
 
     # ------------------------------------------------------------------ lifecycle
@@ -200,7 +199,7 @@ class SyncerService:
                 background = [
                     tasks.create_task(self._ticker(), name="ticker"),
                     tasks.create_task(self._checkpoint_loop(), name="checkpoints"),
-                    tasks.create_task(self._watch_lag(), name="loop lag"),
+                    tasks.create_task(self._lag.watch(), name="loop lag"),
                 ]
                 if self.config.metrics is not None:
                     background.append(tasks.create_task(self._serve_metrics(), name="metrics"))
@@ -290,14 +289,6 @@ class SyncerService:
             # A full disk must not stop training: logged by checkpoint(), and the next try may work.
             with contextlib.suppress(Exception):
                 await self.checkpoint()
-
-    async def _watch_lag(self) -> None:
-        """How late the loop wakes up: what every session feels while something blocks it."""
-        loop = asyncio.get_running_loop()
-        while True:
-            due = loop.time() + LAG_INTERVAL_S
-            await asyncio.sleep(LAG_INTERVAL_S)
-            self._lag_ms.append(max(0.0, (loop.time() - due) * 1e3))
 
     def healthy(self) -> bool:
         """For the systemd watchdog: no merge has been stuck in the worker for ten minutes."""
@@ -823,8 +814,8 @@ class SyncerService:
                     "passes": r.passes,
                     # Steps between a round's due step and this learner's snapshot, and between a
                     # snapshot and the apply of its merge (as its pushes report them).
-                    "snapshot_late_steps": _quantiles(r.snapshot_late),
-                    "apply_late_steps": _quantiles(r.apply_late),
+                    "snapshot_late_steps": quantiles(r.snapshot_late),
+                    "apply_late_steps": quantiles(r.apply_late),
                     "tokens": r.tokens,
                     # Reported step time over wall time since the id first joined.
                     "goodput": _finite(r.goodput(now), 4),
@@ -847,7 +838,7 @@ class SyncerService:
             "checkpoints_written": self.checkpoints_written,
             # Session handlers that failed by a bug of their own (logged with the traceback).
             "handler_errors": self._server.handler_errors if self._server is not None else 0,
-            "loop_lag_ms": _quantiles(self._lag_ms),
+            "loop_lag_ms": self._lag.figures(),
             "last_checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
             # Checkpoints failed since the last one written (a full disk), and the last reason.
             "checkpoints_failed": self.checkpoints_failed,
@@ -858,11 +849,3 @@ class SyncerService:
 def _finite(value: float, digits: int) -> float:
     """A roster figure for JSON and msgpack: rounded, and 0.0 in place of an infinity or NaN."""
     return round(value, digits) if math.isfinite(value) else 0.0
-
-
-def _quantiles(samples: deque[float] | deque[int]) -> dict[str, float]:
-    if not samples:
-        return {"p50": 0.0, "p99": 0.0, "max": 0.0}
-    ordered = sorted(samples)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    return {"p50": round(pick(0.5), 3), "p99": round(pick(0.99), 3), "max": round(ordered[-1], 3)}

@@ -1,7 +1,7 @@
 """dilocod at real model sizes: a syncer, real learners and scripted pushers on loopback, per size.
 
 For each run SIZE:LEARNERS:PUSHERS (default 64M:2:6, 256M:2:6 and 1B:1:1) the model is a stack of
-Linear(4096, 4096, bias=False) layers (bench/scale_entry.py: a step that sleeps --step-s and nudges
+Linear(4096, 4096, bias=False) layers (dilocod/examples/scale.py: a step that sleeps --step-s and nudges
 one layer, so the cost measured is dilocod's), trained with the daemons' defaults (P = 24, H = 24,
 tau = 2, K = 1) by LEARNERS `dilocod learner` processes and PUSHERS scripted learners
 (bench/scale_pusher.py: the same Link, no model), so the syncer sees M = LEARNERS + PUSHERS.
@@ -45,8 +45,8 @@ from typing import Any
 
 import torch
 from machine import machine_facts  # bench/machine.py: run as python bench/<script>.py
-from scale_entry import WIDTH, build, memory_kib
 
+from dilocod.examples.scale import WIDTH, build, memory_kib
 from dilocod.outer.plan import plan_module
 
 HERE = Path(__file__).resolve().parent
@@ -197,7 +197,8 @@ def entry_alone(layers: int, step_s: float) -> dict[str, int]:
     out = subprocess.run(
         [
             sys.executable,
-            str(HERE / "scale_entry.py"),
+            "-m",
+            "dilocod.examples.scale",
             "--layers",
             str(layers),
             "--seconds",
@@ -216,7 +217,9 @@ def entry_alone(layers: int, step_s: float) -> dict[str, int]:
 # ----------------------------------------------------------------------------- one size
 
 
-def run_size(run: Run, seconds: float, step_s: float, raw_gbps: float, work: Path) -> dict[str, Any]:
+def run_size(
+    run: Run, seconds: float, step_s: float, raw_gbps: float, work: Path, network: str
+) -> dict[str, Any]:
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
@@ -237,7 +240,7 @@ def run_size(run: Run, seconds: float, step_s: float, raw_gbps: float, work: Pat
     alone = entry_alone(run.layers, step_s)
     bandwidth = add_bandwidth_gbs(largest)
     disk = disk_write_gbs(work, min(model_bytes, 2 << 30))
-    entry = ["--entry", "scale_entry:make_trainer"]
+    entry = ["--entry", "dilocod.examples.scale:make_trainer"]
     checkpoint_every = max(30.0, seconds / 2)
     syncer_log = work / "syncer.log"
     syncer = subprocess.Popen(
@@ -291,6 +294,8 @@ def run_size(run: Run, seconds: float, step_s: float, raw_gbps: float, work: Pat
                 str(work / f"l{i}"),
                 "--progress-every-s",
                 "5",
+                "--network",
+                network,
             ]
             procs.append(Proc(f"l{i}", subprocess.Popen(command, stderr=path.open("wb"), env=env), path))
         for i in range(run.pushers):
@@ -335,7 +340,8 @@ def run_size(run: Run, seconds: float, step_s: float, raw_gbps: float, work: Pat
             if proc.popen.poll() is None:
                 proc.popen.kill()
                 proc.popen.wait()
-    return summarize(run, status, plan, alone, bandwidth, disk, raw_gbps, model_bytes, largest, m, started_at)
+    figures = (alone, bandwidth, disk, raw_gbps, model_bytes, largest, m, started_at, network)
+    return summarize(run, status, plan, *figures)
 
 
 def summarize(
@@ -350,6 +356,7 @@ def summarize(
     largest: int,
     m: int,
     started_at: float,
+    network: str,
 ) -> dict[str, Any]:
     syncer, learners = run.procs[0], [p for p in run.procs if p.name.startswith("l")]
     lines = log_lines(syncer.log)
@@ -387,6 +394,7 @@ def summarize(
     heal_gbps = [model_bytes * 8 / s / 1e9 for s in heals if s > 0]
     return {
         "label": run.label,
+        "network": network,
         "params": plan.total_numel,
         "model_gb": round(model_bytes / 1e9, 3),
         "learners": run.learners,
@@ -499,6 +507,7 @@ def main() -> None:
     )
     parser.add_argument("--seconds", type=float, default=150.0, help="run time per size, from the start")
     parser.add_argument("--step-s", type=float, default=1.0, help="the entry's step time")
+    parser.add_argument("--network", choices=("process", "thread"), default="process")
     parser.add_argument("--json", type=Path, default=HERE / "results" / "scale.json")
     parser.add_argument("--keep", type=Path, default=None, help="keep logs and state under this directory")
     args = parser.parse_args()
@@ -513,7 +522,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="dilocod-scale-") as tmp:
             work = Path(tmp) if args.keep is None else args.keep / run.label
             work.mkdir(parents=True, exist_ok=True)
-            results.append(run_size(run, args.seconds, args.step_s, raw, work))
+            results.append(run_size(run, args.seconds, args.step_s, raw, work, args.network))
         print(json.dumps(results[-1]), flush=True)
     document = {
         "command": shlex.join(["python", "bench/scale.py", *sys.argv[1:]]),

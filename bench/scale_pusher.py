@@ -5,7 +5,7 @@ model: its memory is one anchor per fragment size and the link's pool of push an
 buffers. To the syncer it is a learner like any other (the same Link, the same protocol), so M of
 them load its merges, its sends and its event loop as M learners would.
 
-    PYTHONPATH=bench python bench/scale_pusher.py --syncer 127.0.0.1:7070 --id p0 --layers 15
+    python bench/scale_pusher.py --syncer 127.0.0.1:7070 --id p0 --layers 15
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import signal
 from typing import Any
 
 import torch
-from scale_entry import TOKENS_PER_STEP, build
 
+from dilocod.examples.scale import TOKENS_PER_STEP, build
 from dilocod.learner.bridge import Adopt, Bridge, Snapshot, StepReportItem
 from dilocod.learner.layout import model_entries
 from dilocod.learner.link import Link, LinkConfig

@@ -1,13 +1,12 @@
-"""The model bench/scale.py trains: a stack of Linear(4096, 4096, bias=False) layers (16.8M
-parameters, 67 MB of float32 each) whose step sleeps and then nudges one layer, so what the run
-measures is dilocod's own cost, not the training's.
+"""An entry for measuring dilocod itself at real model sizes: a stack of Linear(4096, 4096,
+bias=False) layers (16.8M parameters, 67 MB of float32 each) whose step sleeps and then nudges one
+layer, so what a run measures is dilocod's own cost, not the training's (bench/scale.py, and the
+memory-bound test). The size and step time come from the environment:
 
-An entry for `dilocod syncer` and `dilocod learner` (run with bench/ on PYTHONPATH):
-
-    --entry scale_entry:make_trainer    DILOCOD_SCALE_LAYERS=15 DILOCOD_SCALE_STEP_S=1.0
+    --entry dilocod.examples.scale:make_trainer    DILOCOD_SCALE_LAYERS=15 DILOCOD_SCALE_STEP_S=1.0
 
 Run alone, it is the baseline a learner's memory is compared with (the same model and step, no
-dilocod): `python bench/scale_entry.py --layers 15 --seconds 10` prints its peak RSS and PSS.
+dilocod): `python -m dilocod.examples.scale --layers 15 --seconds 10` prints its peak RSS and PSS.
 """
 
 from __future__ import annotations

@@ -230,6 +230,7 @@ def test_status_command_reads_a_running_syncer(tmp_path: Path, entry_dir: Path) 
         status = syncer_status(syncer.port)
         assert [f["index"] for f in status["fragments"]] == [0, 1, 2]
         assert status["rounds_merged"] >= 1 and sum(f["version"] for f in status["fragments"]) >= 1
+        assert 1.0 <= status["fragment_imbalance"] <= 1.1  # row slices: near-equal fragments
         (solo,) = status["learners"]
         assert solo["id"] == "solo" and solo["contributions"] >= 1 and solo["weight_share"] == 1.0
         # Goodput: the reported step times over the wall time since "solo" first joined.

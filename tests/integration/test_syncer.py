@@ -32,7 +32,7 @@ from dilocod.transport.endpoints import connect
 from dilocod.transport.errors import SessionClosed, TransferFailed
 from dilocod.transport.loop import run
 from dilocod.wire.errors import ErrorCode
-from dilocod.wire.manifest import ModelEntry, pack_manifest
+from dilocod.wire.manifest import ModelEntry, fragment_manifest
 from dilocod.wire.messages import Join, Plan, PushHeader, StatusRequest, StatusResponse
 
 from .learner_script import ScriptedLearner
@@ -53,14 +53,14 @@ def entry_dir(tmp_path: Path) -> Path:
     return write_entry(tmp_path / "entry")
 
 
-def _flat(values: dict[str, torch.Tensor], names: tuple[str, ...]) -> torch.Tensor:
-    shapes = {n: tuple(values[n].shape) for n in names}
-    manifest, raw = pack_manifest([(n, "float32", shapes[n]) for n in names])
+def _flat(values: dict[str, torch.Tensor], pieces: tuple[tuple[str, int, int], ...]) -> torch.Tensor:
+    """A fragment's bytes as float32: each piece's rows at its manifest offset."""
+    shapes = {n: tuple(v.shape) for n, v in values.items()}
+    manifest, raw = fragment_manifest(pieces, shapes)
     flat = torch.zeros(raw // 4)
-    for entry in manifest:
-        flat[entry.offset // 4 : entry.offset // 4 + values[entry.name].numel()] = values[
-            entry.name
-        ].flatten()
+    for entry, (name, start, stop) in zip(manifest, pieces, strict=True):
+        rows = values[name] if values[name].dim() == 0 else values[name][start:stop]
+        flat[entry.offset // 4 : entry.offset // 4 + rows.numel()] = rows.flatten()
     return flat
 
 

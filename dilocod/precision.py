@@ -1,10 +1,12 @@
 """How an outer gradient travels at each wire precision: its manifest layout, and encoding (with
 error feedback) and decoding. Shared by the learner (encodes) and the syncer (decodes); both derive
-the layout from the same parameter shapes, so a push's manifest tells the syncer its precision.
+the layout from the same (name, shape) list, the fragment's pieces as wire.manifest.fragment_shapes
+names them (`name` or `name[start:stop]`), so a push's manifest tells the syncer its precision; the
+fp32 layout is exactly wire.manifest.fragment_manifest's.
 
-- fp32: one float32 tensor per parameter (lossless; what the merge works in).
-- bf16: one bfloat16 tensor per parameter (half the bytes).
-- int8 / int4: per parameter, block-scaled symmetric integer codes (dilocod.outer.quantize, blocks
+- fp32: one float32 tensor per piece (lossless; what the merge works in).
+- bf16: one bfloat16 tensor per piece (half the bytes).
+- int8 / int4: per piece, block-scaled symmetric integer codes (dilocod.outer.quantize, blocks
   of BLOCK_SIZE values) as `name` (int8 codes, or uint8 bytes of two 4-bit codes) followed by its
   float32 scales as `name#scales`: 1.0625 and 0.5625 bytes per parameter.
 Lossy precisions carry error feedback: what one round lost is added to the next outer gradient of

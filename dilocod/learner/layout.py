@@ -1,7 +1,8 @@
 """Where each fragment of the syncer's plan lives in the learner's model, and how it is laid out on
-the wire: the fragment's parameters (tied ones once) in plan order, packed as float32 exactly as
-the syncer packs them (wire.manifest.pack_manifest), so an update's bytes are read in place and a
-push's bytes are written in place.
+the wire: the fragment's pieces (row slices of parameters, tied ones once) in plan order, packed as
+float32 exactly as the syncer packs them (wire.manifest.fragment_manifest), so an update's bytes are
+read in place and a push's bytes are written in place. A layout's params are views of the live
+parameters' rows: an in-place write to one writes the parameter.
 
 Checks the plan against the model before anything is trained: a learner whose parameter names or
 shapes differ from the syncer's gets a PlanMismatch naming the first difference. Must not import
@@ -18,7 +19,7 @@ import torch
 from torch import Tensor
 
 from dilocod.precision import tensor_views
-from dilocod.wire.manifest import ModelEntry, TensorEntry, pack_manifest
+from dilocod.wire.manifest import ModelEntry, TensorEntry, fragment_manifest, piece_rows
 from dilocod.wire.messages import Plan
 
 WIRE_DTYPES: dict[torch.dtype, str] = {
@@ -82,11 +83,21 @@ def layouts_for(plan: Plan, model: torch.nn.Module) -> list[FragmentLayout]:
     ours = model_entries(model)
     check_plan(plan, ours)
     parameters = dict(model.named_parameters())
+    shapes = {e.name: e.shape for e in plan.model}
     layouts = []
-    for index, names in enumerate(plan.fragments):
-        manifest, raw_bytes = pack_manifest([(n, "float32", parameters[n].shape) for n in names])
-        layouts.append(FragmentLayout(index, tuple(manifest), raw_bytes, tuple(parameters[n] for n in names)))
+    for index, pieces in enumerate(plan.fragments):
+        manifest, raw_bytes = fragment_manifest(pieces, shapes)
+        params = tuple(piece_view(parameters[name], start, stop) for name, start, stop in pieces)
+        layouts.append(FragmentLayout(index, manifest, raw_bytes, params))
     return layouts
+
+
+def piece_view(parameter: Tensor, start: int, stop: int) -> Tensor:
+    """Rows [start, stop) of a parameter as a view of its storage (the parameter itself when the
+    piece is all of it): writing the view in place writes the parameter."""
+    if (start, stop) == (0, piece_rows(parameter.shape)):
+        return parameter
+    return parameter.data[start:stop]
 
 
 def check_plan(plan: Plan, ours: Sequence[ModelEntry]) -> None:

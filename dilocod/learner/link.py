@@ -61,7 +61,7 @@ from dilocod.transport.tuning import (
 from dilocod.wire.codecs import chunk_checksums
 from dilocod.wire.errors import ErrorCode
 from dilocod.wire.limits import DEFAULT_LIMITS
-from dilocod.wire.manifest import ModelEntry, TensorEntry, pack_manifest
+from dilocod.wire.manifest import ModelEntry, TensorEntry, fragment_manifest
 from dilocod.wire.messages import (
     FragmentRequest,
     Join,
@@ -423,9 +423,7 @@ class Link:
 
     def _adopt_plan(self, plan: Plan) -> None:
         shapes = {e.name: e.shape for e in plan.model}
-        self._manifests = [
-            tuple(pack_manifest([(n, "float32", shapes[n]) for n in names])[0]) for names in plan.fragments
-        ]
+        self._manifests = [fragment_manifest(pieces, shapes)[0] for pieces in plan.fragments]
         if plan.incarnation != self.incarnation and self.incarnation:
             log.info("new syncer incarnation: healing", old=self.incarnation, new=plan.incarnation)
         self.incarnation = self.stats.incarnation = plan.incarnation

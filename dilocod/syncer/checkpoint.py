@@ -21,7 +21,10 @@ plus JSON.
 
 Tensor files are written here in the documented safetensors format (8-byte little-endian header
 length, JSON header padded to 8 bytes, tensors packed back to back), straight from each tensor's
-memory, hashed on the way. They are read only through safetensors, never through pickle.
+memory, hashed on the way. A tensor to save may be given as its row pieces (the syncer holds a
+parameter cut across fragments in several buffers): the file holds their concatenation along dim 0,
+written piece by piece, never assembled in memory. They are read only through safetensors, never
+through pickle.
 
 Plain blocking file I/O; the daemon runs it in a worker thread. Must not import networking or
 logging: skipped checkpoints are returned to the caller, who logs them.
@@ -39,7 +42,7 @@ import shutil
 import struct
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -92,15 +95,38 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {
 _DTYPE_RANKS = {dtype: rank for rank, dtype in enumerate(_DTYPE_NAMES)}
 
 
+#: A tensor to save: the tensor, or its row pieces in order (their concatenation along dim 0).
+Saved = torch.Tensor | Sequence[torch.Tensor]
+
+
 @dataclass
 class SyncerState:
     """What a checkpoint holds. params and momentum have the same names and shapes; the order of
-    params is kept across a save and load (other code may rely on named_parameters order)."""
+    params is kept across a save and load (other code may rely on named_parameters order). A save
+    takes each tensor whole or as its row pieces (Saved); a load always gives whole tensors."""
 
-    params: dict[str, torch.Tensor]
-    momentum: dict[str, torch.Tensor]
+    params: dict[str, Any]
+    momentum: dict[str, Any]
     versions: list[int]
     meta: dict[str, Any]
+
+
+def _parts(value: Saved) -> list[torch.Tensor]:
+    return [value] if isinstance(value, torch.Tensor) else list(value)
+
+
+def _whole_shape(name: str, parts: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    """The shape of the tensor the parts make, end to end along dim 0 (ValueError if they cannot)."""
+    if not parts:
+        raise ValueError(f"{name!r} has no pieces")
+    if len(parts) == 1:
+        return tuple(parts[0].shape)
+    first = parts[0]
+    if first.dim() == 0 or any(p.dim() == 0 or p.shape[1:] != first.shape[1:] for p in parts):
+        raise ValueError(f"the pieces of {name!r} do not stack along dim 0")
+    if any(p.dtype != first.dtype for p in parts):
+        raise ValueError(f"the pieces of {name!r} have different dtypes")
+    return (sum(p.shape[0] for p in parts), *first.shape[1:])
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,23 +277,27 @@ def _check_state(state: SyncerState) -> None:
     if set(state.params) != set(state.momentum):
         missing = sorted(set(state.params) ^ set(state.momentum))
         raise ValueError(f"params and momentum must have the same names; differing: {missing[:10]}")
-    for name, param in state.params.items():
+    for name in state.params:
         if not isinstance(name, str) or name == "__metadata__" or not name.isprintable():
             raise ValueError(f"parameter name {name!r} cannot be stored")
-        momentum = state.momentum[name]
-        for kind, tensor in (("param", param), ("momentum", momentum)):
-            if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
-                raise ValueError(f"{kind} {name!r} must be a dense tensor, got {type(tensor).__name__}")
-            if tensor.dtype not in _DTYPE_NAMES:
-                raise ValueError(f"{kind} {name!r} has dtype {tensor.dtype}, which safetensors cannot store")
-            if tensor.is_meta:
-                raise ValueError(f"{kind} {name!r} is on the meta device and has no values")
-        if momentum.dtype != torch.float32:
-            raise ValueError(f"momentum {name!r} must be float32, got {momentum.dtype}")
-        if momentum.shape != param.shape:
-            raise ValueError(
-                f"momentum {name!r} has shape {tuple(momentum.shape)}, its param {tuple(param.shape)}"
-            )
+        shapes = {}
+        for kind, value in (("param", state.params[name]), ("momentum", state.momentum[name])):
+            if not isinstance(value, torch.Tensor | list | tuple):
+                raise ValueError(f"{kind} {name!r} must be a dense tensor, got {type(value).__name__}")
+            for tensor in _parts(value):
+                if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+                    raise ValueError(f"{kind} {name!r} must be a dense tensor, got {type(tensor).__name__}")
+                if tensor.dtype not in _DTYPE_NAMES:
+                    raise ValueError(
+                        f"{kind} {name!r} has dtype {tensor.dtype}, which safetensors cannot store"
+                    )
+                if tensor.is_meta:
+                    raise ValueError(f"{kind} {name!r} is on the meta device and has no values")
+                if kind == "momentum" and tensor.dtype != torch.float32:
+                    raise ValueError(f"momentum {name!r} must be float32, got {tensor.dtype}")
+            shapes[kind] = _whole_shape(name, _parts(value))
+        if shapes["momentum"] != shapes["param"]:
+            raise ValueError(f"momentum {name!r} has shape {shapes['momentum']}, its param {shapes['param']}")
     _check_versions(state.versions)
     if not isinstance(state.meta, dict):
         raise ValueError(f"meta must be a dict, got {type(state.meta).__name__}")
@@ -282,22 +312,23 @@ def _check_versions(versions: object) -> None:
             raise ValueError(f"version of fragment {index} must be a non-negative int, got {version!r}")
 
 
-def _write_tensor_file(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+def _write_tensor_file(path: Path, tensors: Mapping[str, Saved]) -> dict[str, Any]:
     """Write tensors as a safetensors file, fsync it, return its size and SHA-256.
 
-    Bytes go from each tensor's memory to the file; a tensor that is not a contiguous CPU tensor
-    is copied alone just before it is written, so at most one tensor's copy exists at a time.
-    Tensors sharing memory (tied weights, views of one buffer) are simply written twice.
+    Bytes go from each tensor's (or each row piece's) memory to the file; one that is not a
+    contiguous CPU tensor is copied alone just before it is written, so at most one such copy
+    exists at a time. Tensors sharing memory (tied weights, views of one buffer) are simply
+    written twice.
     """
-    order = sorted(tensors, key=lambda n: (-_DTYPE_RANKS[tensors[n].dtype], n))
+    parts = {name: _parts(value) for name, value in tensors.items()}
+    order = sorted(parts, key=lambda n: (-_DTYPE_RANKS[parts[n][0].dtype], n))
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name in order:
-        tensor = tensors[name]
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = sum(t.numel() * t.element_size() for t in parts[name])
         header[name] = {
-            "dtype": _DTYPE_NAMES[tensor.dtype],
-            "shape": list(tensor.shape),
+            "dtype": _DTYPE_NAMES[parts[name][0].dtype],
+            "shape": list(_whole_shape(name, parts[name])),
             "data_offsets": [offset, offset + nbytes],
         }
         offset += nbytes
@@ -309,17 +340,17 @@ def _write_tensor_file(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[
             digest.update(prefix)
             f.write(prefix)
         for name in order:
-            tensor = tensors[name]
-            packed = tensor.detach().to("cpu").contiguous()
-            if packed.numel():
-                view = _bytes_of(packed)
-                # In slices: one write() of several GB may come back short on some systems.
-                for start in range(0, len(view), _WRITE_SLICE_BYTES):
-                    piece = view[start : start + _WRITE_SLICE_BYTES]
-                    digest.update(piece)
-                    f.write(piece)
-                del view, piece
-            del packed
+            for tensor in parts[name]:
+                packed = tensor.detach().to("cpu").contiguous()
+                if packed.numel():
+                    view = _bytes_of(packed)
+                    # In slices: one write() of several GB may come back short on some systems.
+                    for start in range(0, len(view), _WRITE_SLICE_BYTES):
+                        piece = view[start : start + _WRITE_SLICE_BYTES]
+                        digest.update(piece)
+                        f.write(piece)
+                    del view, piece
+                del packed
         f.flush()
         os.fsync(f.fileno())
         size = f.tell()

@@ -250,7 +250,12 @@ def run_syncer(
                     "fragments": len(service.model.fragments),
                     "versions": service.model.versions,
                 }
-                log.info("listening", **info)
+                log.info(
+                    "listening",
+                    **info,
+                    fragment_imbalance=round(service.model.plan.imbalance, 4),
+                    largest_fragment_bytes=max(store.raw_bytes for store in service.model.fragments),
+                )
                 ready({"event": "ready", **info})
                 if notifier is not None:
                     # A STATUS with READY, so `systemctl status` says something before the first report.

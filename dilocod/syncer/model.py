@@ -1,10 +1,12 @@
 """The syncer's global model: every fragment's parameters and Nesterov buffers in float32, laid out
 exactly as the fragment travels on the wire, and the read-only snapshots that updates are sent from.
 
-Layout. Fragment p's tensors are packed by wire.manifest.pack_manifest into one buffer (the
-"master": a bytearray at first, a pooled one from its first merge on), with torch views onto it;
-the momentum buffer has the same layout. A push of fragment p
-must carry exactly that manifest (float32 outer gradients), so its bytes are read in place.
+Layout. Fragment p's pieces (row slices of parameters, outer.plan) are packed by
+wire.manifest.fragment_manifest into one buffer (the "master": a bytearray at first, a pooled one
+from its first merge on), with torch views onto it; the momentum buffer has the same layout. A push
+of fragment p must carry exactly that manifest (float32 outer gradients), so its bytes are read in
+place. A parameter cut across fragments lives in several stores; `load` and `state` translate
+between whole parameters and pieces.
 
 Buffers. The steady state holds Θ and b (one master and one momentum buffer per fragment) and
 fragment-sized buffers from one bounded pool (syncer.buffers): a push per contributing learner,
@@ -57,7 +59,7 @@ from dilocod.outer.guard import (
 )
 from dilocod.precision import tensor_views
 from dilocod.syncer.buffers import Buffer, BufferPool
-from dilocod.wire.manifest import ModelEntry, TensorEntry, pack_manifest
+from dilocod.wire.manifest import ModelEntry, TensorEntry, fragment_manifest, piece_rows
 
 
 class ModelMismatch(ValueError):
@@ -91,6 +93,8 @@ class Snapshot:
 @dataclass(slots=True)
 class FragmentStore:
     index: int
+    #: (parameter name, start row, stop row) of each tensor of the manifest.
+    pieces: tuple[tuple[str, int, int], ...]
     manifest: tuple[TensorEntry, ...]
     raw_bytes: int
     master: Buffer
@@ -124,19 +128,21 @@ class GlobalModel:
         #: Every fragment-sized buffer beyond Θ and b comes from here (see Buffers).
         self.buffers = BufferPool()
         self.fragments: list[FragmentStore] = []
+        shapes = {s.name: s.shape for s in specs}
         for fragment in plan.fragments:
-            manifest, raw_bytes = pack_manifest([(n, "float32", self.specs[n].shape) for n in fragment.names])
+            manifest, raw_bytes = fragment_manifest(fragment.pieces, shapes)
             master, momentum = bytearray(raw_bytes), bytearray(raw_bytes)
             self.fragments.append(
                 FragmentStore(
                     fragment.index,
-                    tuple(manifest),
+                    tuple(fragment.pieces),
+                    manifest,
                     raw_bytes,
                     master,
                     momentum,
                     tensor_views(master, manifest),
                     tensor_views(momentum, manifest),
-                    embedding_mask(fragment.names, embedding_pattern),
+                    embedding_mask([piece.name for piece in fragment.pieces], embedding_pattern),
                 )
             )
 
@@ -168,12 +174,12 @@ class GlobalModel:
         with torch.no_grad():
             for store in self.fragments:
                 store.version = 0 if versions is None else versions[store.index]
-                for entry, param, buf in zip(store.manifest, store.params, store.momentum_views, strict=True):
-                    param.copy_(params[entry.name])
+                for piece, param, buf in zip(store.pieces, store.params, store.momentum_views, strict=True):
+                    param.copy_(rows(params[piece[0]], piece))
                     if momentum is None:
                         buf.zero_()
                     else:
-                        buf.copy_(momentum[entry.name])
+                        buf.copy_(rows(momentum[piece[0]], piece))
                 store.norm = l2_norm(store.params)
 
     @property
@@ -181,14 +187,19 @@ class GlobalModel:
         """What the master holds (read in the merge worker for a consistent checkpoint)."""
         return [store.version for store in self.fragments]
 
-    def state(self) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-        """Θ and b keyed by parameter name: views onto the live buffers (run in the merge worker)."""
-        params: dict[str, Tensor] = {}
-        momentum: dict[str, Tensor] = {}
+    def state(self) -> tuple[dict[str, list[Tensor]], dict[str, list[Tensor]]]:
+        """Θ and b keyed by parameter name, each the views onto the live buffers of its pieces in
+        row order (their concatenation along dim 0 is the parameter; run in the merge worker)."""
+        parts: dict[str, list[tuple[int, Tensor, Tensor]]] = {name: [] for name in self.order}
         for store in self.fragments:
-            for entry, param, buf in zip(store.manifest, store.params, store.momentum_views, strict=True):
-                params[entry.name] = param
-                momentum[entry.name] = buf
+            for piece, param, buf in zip(store.pieces, store.params, store.momentum_views, strict=True):
+                parts[piece[0]].append((piece[1], param, buf))
+        params: dict[str, list[Tensor]] = {}
+        momentum: dict[str, list[Tensor]] = {}
+        for name, found in parts.items():
+            found.sort(key=lambda part: part[0])
+            params[name] = [param for _, param, _ in found]
+            momentum[name] = [buf for _, _, buf in found]
         return params, momentum
 
     def publish_all(self) -> None:
@@ -317,6 +328,14 @@ class GlobalModel:
             self.buffers.give(old)
         # Otherwise the old master is the current snapshot's buffer: publish() retires it.
         return Snapshot(version, target, checksums, digest)
+
+
+def rows(tensor: Tensor, piece: tuple[str, int, int]) -> Tensor:
+    """The rows of a whole parameter a piece holds, as a view (a tensor without rows is whole)."""
+    _, start, stop = piece
+    if (start, stop) == (0, piece_rows(tensor.shape)):
+        return tensor
+    return tensor[start:stop]
 
 
 def hash_fragment(buffer: Buffer, chunk_bytes: int) -> tuple[list[int], int]:

@@ -418,7 +418,7 @@ class SyncerService:
         return Plan(
             self.incarnation,
             tuple(self._specs),
-            tuple(tuple(f.names) for f in self.model.plan.fragments),
+            tuple(f.pieces for f in self.model.plan.fragments),
             tuple(s.current.version if s.current else 0 for s in self.model.fragments),
             self.rounds.config.sync_every,
             self.rounds.config.overlap,
@@ -793,6 +793,8 @@ class SyncerService:
                 {"index": s.index, "version": s.current.version if s.current else s.version}
                 for s in self.model.fragments
             ],
+            # Largest fragment over the mean (numel); 1.0 is perfectly even (docs/design.md §3.1).
+            "fragment_imbalance": round(self.model.plan.imbalance, 4),
             "steps_per_s_window_s": round(self.step_rates.window_s),
             "learners": [
                 {

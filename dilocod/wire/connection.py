@@ -60,8 +60,10 @@ from dilocod.wire.states import (
     peer_of,
 )
 
-PROTOCOL_MIN_VERSION = 1
-PROTOCOL_MAX_VERSION = 1
+#: Protocol version 2 (protocol/SPEC.md §7.2): PLAN.fragments lists row pieces, not whole
+#: parameters. Version 1 peers are refused in the handshake (UNSUPPORTED_VERSION).
+PROTOCOL_MIN_VERSION = 2
+PROTOCOL_MAX_VERSION = 2
 
 Buffer = bytes | bytearray | memoryview
 #: ERROR messages and GOODBYE reasons are capped at this many UTF-8 bytes (messages.py checks it).

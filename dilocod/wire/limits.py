@@ -30,6 +30,10 @@ class Limits:
     max_chunk_bytes: int = 16 * MiB
     min_chunk_bytes: int = 4 * KiB
     max_fragment_bytes: int = 16 * GiB
+    #: All of a JOIN's or PLAN's parameters together (a tensor larger than a fragment travels in
+    #: row slices, so no single tensor is bounded by max_fragment_bytes): 1 TiB, 256e9 float32
+    #: parameters, far above a 12B model's 48 GB.
+    max_model_bytes: int = 1024 * GiB
     max_tensors_per_fragment: int = 65_536
     max_name_bytes: int = 1_024
     max_tensor_rank: int = 8

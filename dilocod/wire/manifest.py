@@ -1,5 +1,6 @@
 """Tensor lists on the wire: the manifest of a fragment stream (names, dtypes, shapes and byte
-offsets) and the model of JOIN and PLAN (names, dtypes and shapes of every parameter).
+offsets), the model of JOIN and PLAN (names, dtypes and shapes of every parameter), and
+fragment_manifest, the one function both ends derive a fragment's manifest from its pieces with.
 
 Validation here is what lets a receiver size its destination buffer from a peer's declaration.
 Must not import asyncio, socket, torch or logging (dtype names are plain strings).
@@ -8,7 +9,7 @@ Must not import asyncio, socket, torch or logging (dtype names are plain strings
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from dilocod.wire.errors import ErrorCode, RemoteProtocolError
@@ -74,6 +75,36 @@ def pack_manifest(tensors: Sequence[tuple[str, str, Sequence[int]]]) -> tuple[li
     return entries, offset
 
 
+def piece_rows(shape: Sequence[int]) -> int:
+    """The rows a plan may cut a tensor of this shape at: dim 0, or 1 for a tensor without rows
+    (0-d, or a first dimension of 0), which travels whole as the piece [0, 1)."""
+    return shape[0] if len(shape) and shape[0] > 0 else 1
+
+
+def fragment_shapes(
+    pieces: Sequence[tuple[str, int, int]], shapes: Mapping[str, Sequence[int]]
+) -> list[tuple[str, tuple[int, ...]]]:
+    """(manifest name, shape) of each piece: `name` for a whole tensor, `name[start:stop]` for a
+    row slice, whose shape is the tensor's with dim 0 = stop - start (protocol/SPEC.md §5.2)."""
+    out: list[tuple[str, tuple[int, ...]]] = []
+    for name, start, stop in pieces:
+        shape = tuple(int(d) for d in shapes[name])
+        if (start, stop) == (0, piece_rows(shape)):
+            out.append((name, shape))
+        else:
+            out.append((f"{name}[{start}:{stop}]", (stop - start, *shape[1:])))
+    return out
+
+
+def fragment_manifest(
+    pieces: Sequence[tuple[str, int, int]], shapes: Mapping[str, Sequence[int]], dtype: str = "float32"
+) -> tuple[tuple[TensorEntry, ...], int]:
+    """The manifest and byte size of a fragment made of these pieces, every tensor in dtype. The
+    syncer's buffers, the learner's layout and both ends' push and update streams all use it."""
+    entries, raw_bytes = pack_manifest([(n, dtype, s) for n, s in fragment_shapes(pieces, shapes)])
+    return tuple(entries), raw_bytes
+
+
 def _bad(message: str) -> RemoteProtocolError:
     return RemoteProtocolError(ErrorCode.BAD_MANIFEST, message)
 
@@ -126,8 +157,8 @@ def parse_manifest(raw: object, raw_bytes: int, limits: Limits) -> tuple[TensorE
 
 def parse_model(raw: object, limits: Limits) -> tuple[ModelEntry, ...]:
     """Check the model of a JOIN or PLAN: 1..max_model_tensors entries [name, dtype, shape] with
-    unique names, known dtypes, bounded rank, and each tensor small enough for one fragment stream
-    (larger could never be sent, and the bound keeps the size arithmetic small)."""
+    unique names, known dtypes, bounded rank, and all of them together at most max_model_bytes (a
+    tensor larger than a fragment is cut into row slices, so only the whole model is bounded)."""
     if not isinstance(raw, list):
         raise _bad("model must be an array")
     if len(raw) > limits.max_model_tensors:
@@ -138,13 +169,13 @@ def parse_model(raw: object, limits: Limits) -> tuple[ModelEntry, ...]:
         raise _bad("model lists no tensors")  # nothing to train, nothing to fragment
     entries: list[ModelEntry] = []
     names: set[str] = set()
+    total = 0
     for index, item in enumerate(raw):
         if not (isinstance(item, list) and len(item) == 3):
             raise _bad(f"entry {index} must be [name, dtype, shape]")
-        entry = ModelEntry(*_check_tensor(index, *item, names, limits.max_fragment_bytes, limits))
-        if entry.nbytes > limits.max_fragment_bytes:
-            raise _bad(
-                f"{entry.name}: {entry.nbytes} bytes, above one fragment's {limits.max_fragment_bytes}"
-            )
+        entry = ModelEntry(*_check_tensor(index, *item, names, limits.max_model_bytes, limits))
+        total += entry.nbytes
+        if total > limits.max_model_bytes:
+            raise _bad(f"{entry.name}: the model reaches {total} bytes, above {limits.max_model_bytes}")
         entries.append(entry)
     return tuple(entries)

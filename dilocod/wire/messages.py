@@ -16,7 +16,14 @@ import msgpack
 from dilocod.wire.errors import ErrorCode, RemoteProtocolError
 from dilocod.wire.frames import CODECS_BY_NAME, FrameType
 from dilocod.wire.limits import DEFAULT_LIMITS, Limits
-from dilocod.wire.manifest import ModelEntry, TensorEntry, parse_manifest, parse_model
+from dilocod.wire.manifest import (
+    ModelEntry,
+    TensorEntry,
+    fragment_manifest,
+    parse_manifest,
+    parse_model,
+    piece_rows,
+)
 
 NONCE_BYTES = 32
 SESSION_ID_BYTES = 16
@@ -298,8 +305,9 @@ class Plan:
     TYPE: ClassVar[FrameType] = FrameType.PLAN
     incarnation: str
     model: tuple[ModelEntry, ...]
-    #: Parameter names per fragment; together a partition of the model's names.
-    fragments: tuple[tuple[str, ...], ...]
+    #: Pieces (name, start, stop) per fragment: rows [start, stop) of a parameter along dim 0;
+    #: together they cover every row of every parameter exactly once (protocol/SPEC.md §4.4).
+    fragments: tuple[tuple[tuple[str, int, int], ...], ...]
     versions: tuple[int, ...]
     sync_every: int
     overlap: int
@@ -316,7 +324,7 @@ class Plan:
         return {
             "incarnation": self.incarnation,
             "model": [e.to_wire() for e in self.model],
-            "fragments": [list(names) for names in self.fragments],
+            "fragments": [[[n, start, stop] for n, start, stop in pieces] for pieces in self.fragments],
             "versions": list(self.versions),
             "sync_every": self.sync_every,
             "overlap": self.overlap,
@@ -341,9 +349,13 @@ class Plan:
         return cls(incarnation, model, fragments, tuple(versions), sync_every, overlap, quorum, next_round)
 
 
-def _parse_fragments(b: _Body, model: tuple[ModelEntry, ...], limits: Limits) -> tuple[tuple[str, ...], ...]:
+def _parse_fragments(
+    b: _Body, model: tuple[ModelEntry, ...], limits: Limits
+) -> tuple[tuple[tuple[str, int, int], ...], ...]:
     """PLAN.fragments: first its shape (MALFORMED_BODY, or LIMIT_EXCEEDED for too many), then
-    whether it partitions the model's names into non-empty fragments (BAD_MANIFEST)."""
+    whether its pieces tile the model (BAD_MANIFEST): every piece [name, start, stop] names a
+    parameter, 0 <= start < stop <= its rows (piece_rows: a tensor without rows is [0, 1)), no
+    fragment is empty, and each parameter's pieces cover its rows exactly once."""
     raw = b._get("fragments", list)
     if len(raw) > limits.max_fragments:
         raise RemoteProtocolError(
@@ -351,33 +363,66 @@ def _parse_fragments(b: _Body, model: tuple[ModelEntry, ...], limits: Limits) ->
         )
     if not raw:
         raise _malformed("PLAN.fragments: at least one fragment expected")
+    if any(isinstance(pieces, list) and len(pieces) > limits.max_tensors_per_fragment for pieces in raw):
+        most = limits.max_tensors_per_fragment
+        raise RemoteProtocolError(ErrorCode.LIMIT_EXCEEDED, f"PLAN: a fragment of more than {most} pieces")
     # A name longer than max_name_bytes is in no model; refusing it here also keeps what an error
     # message may quote short.
     if not all(
-        isinstance(names, list)
-        and all(isinstance(n, str) and len(n.encode()) <= limits.max_name_bytes for n in names)
-        for names in raw
+        isinstance(pieces, list)
+        and all(
+            isinstance(p, list)
+            and len(p) == 3
+            and isinstance(p[0], str)
+            and len(p[0].encode()) <= limits.max_name_bytes
+            and type(p[1]) is int
+            and type(p[2]) is int
+            for p in pieces
+        )
+        for pieces in raw
     ):
         raise _malformed(
-            f"PLAN.fragments: each must be an array of names of at most {limits.max_name_bytes} bytes"
+            "PLAN.fragments: each must be an array of pieces [name, start, stop], names of at most "
+            f"{limits.max_name_bytes} bytes, start and stop integers"
         )
-    known = {entry.name for entry in model}
-    placed: set[str] = set()
-    for index, names in enumerate(raw):
-        if not names:
+    rows = {entry.name: piece_rows(entry.shape) for entry in model}
+    spans: dict[str, list[tuple[int, int]]] = {name: [] for name in rows}
+    for index, pieces in enumerate(raw):
+        if not pieces:
             raise RemoteProtocolError(ErrorCode.BAD_MANIFEST, f"fragment {index} is empty")
-        for name in names:
-            if name not in known:
+        for name, start, stop in pieces:
+            if name not in rows:
                 raise RemoteProtocolError(ErrorCode.BAD_MANIFEST, f"fragment {index}: unknown name {name!r}")
-            if name in placed:
+            if not 0 <= start < stop <= rows[name]:
                 raise RemoteProtocolError(
-                    ErrorCode.BAD_MANIFEST, f"fragment {index}: {name!r} is already in another fragment"
+                    ErrorCode.BAD_MANIFEST,
+                    f"fragment {index}: rows [{start}, {stop}) of {name!r}, which has {rows[name]}",
                 )
-            placed.add(name)
-    if len(placed) != len(known):
-        missing = next(entry.name for entry in model if entry.name not in placed)
-        raise RemoteProtocolError(ErrorCode.BAD_MANIFEST, f"{missing!r} is in no fragment")
-    return tuple(tuple(names) for names in raw)
+            spans[name].append((start, stop))
+    shapes = {entry.name: entry.shape for entry in model}
+    for index, pieces in enumerate(raw):
+        raw_bytes = fragment_manifest(pieces, shapes)[1]
+        if raw_bytes > limits.max_fragment_bytes:
+            raise RemoteProtocolError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"fragment {index}: {raw_bytes} bytes in float32, limit {limits.max_fragment_bytes}",
+            )
+    for entry in model:
+        covered = 0
+        for start, stop in sorted(spans[entry.name]):
+            if start != covered:
+                what = "overlap" if start < covered else "leave a gap"
+                row = min(start, covered)
+                raise RemoteProtocolError(
+                    ErrorCode.BAD_MANIFEST, f"the pieces of {entry.name!r} {what} at row {row}"
+                )
+            covered = stop
+        if covered != rows[entry.name]:
+            raise RemoteProtocolError(
+                ErrorCode.BAD_MANIFEST,
+                f"the pieces of {entry.name!r} cover {covered} of its {rows[entry.name]} rows",
+            )
+    return tuple(tuple((name, start, stop) for name, start, stop in pieces) for pieces in raw)
 
 
 @dataclass(frozen=True, slots=True)

@@ -536,15 +536,21 @@ def _transfers() -> tuple[_Transfer, _Transfer]:
 def _join_and_plan() -> tuple[Join, Plan]:
     """A learner restarting after the syncer did, and the syncer's answer. The model is the four
     tensors of the two transfers, in module order; the two fragments are what docs/design.md §3.1's
-    balanced plan makes of them (the largest tensor alone, the other three together)."""
+    plan makes of them: rows 0..19 of the 32 x 32 weight, then its rows 19..32 and the other three
+    tensors whole (1216 and 1232 elements)."""
     push, update = _transfers()
     model = tuple(
         ModelEntry(e.name, e.dtype, e.shape) for e in (*push.header.manifest, *update.header.manifest)
     )
     join = Join(model, incarnation="inc-0000", instance="5f0c1e2d3c4b5a69788796a5b4c3d2e1")
     fragments = (
-        ("blocks.0.attn.weight",),
-        ("blocks.0.mlp.weight", "blocks.0.attn.bias", "blocks.0.ln.weight"),
+        (("blocks.0.attn.weight", 0, 19),),
+        (
+            ("blocks.0.attn.weight", 19, 32),
+            ("blocks.0.attn.bias", 0, 64),
+            ("blocks.0.mlp.weight", 0, 8),
+            ("blocks.0.ln.weight", 0, 16),
+        ),
     )
     plan = Plan(
         "inc-0001", model, fragments, versions=(7, 6), sync_every=24, overlap=2, quorum=0, next_round=131
@@ -739,9 +745,11 @@ def _connection_vectors() -> list[dict[str, Any]]:
     no_role = raw_frame(F.HELLO, packb({k: v for k, v in hello_body.items() if k != "role"}))
     truncated = raw_frame(F.HELLO, packb(hello_body)[:-7])
     wrong_welcome = {**welcome_body, "mac": bytes(b ^ 1 for b in welcome_body["mac"])}
-    other_mac = auth.server_proof(SECRET, data_hello, 1, HANDSHAKES["data_hmac"].server_nonce, OTHER_SESSION)
+    other_mac = auth.server_proof(
+        SECRET, data_hello, PROTOCOL_MAX_VERSION, HANDSHAKES["data_hmac"].server_nonce, OTHER_SESSION
+    )
     other_session = {**msgpack.unpackb(data[3][16:], raw=False), "session": OTHER_SESSION, "mac": other_mac}
-    bad_version = {"version": 2, "method": "hmac-sha256", "nonce": HANDSHAKES["control_hmac"].server_nonce}
+    bad_version = {"version": 3, "method": "hmac-sha256", "nonce": HANDSHAKES["control_hmac"].server_nonce}
     report = {"step": 1, "tokens": 4096}
     w, b = "blocks.0.attn.weight", "blocks.0.attn.bias"
 
@@ -832,8 +840,10 @@ def _connection_vectors() -> list[dict[str, Any]]:
          hello_with(min_version=2, max_version=1)),
         ("hello_extension_type", await_hello, E.MALFORMED_BODY, "msgpack extension types are never valid",
          hello_with(peer_id=msgpack.Timestamp(0))),
-        ("hello_unsupported_version_range", await_hello, E.UNSUPPORTED_VERSION, "client 2..3, server 1..1",
-         hello_with(min_version=2, max_version=3)),
+        ("hello_unsupported_version_range", await_hello, E.UNSUPPORTED_VERSION, "client 3..4, server 2..2",
+         hello_with(min_version=3, max_version=4)),
+        ("hello_version_1_only", await_hello, E.UNSUPPORTED_VERSION,
+         "client 1..1 (PLAN of whole parameters), server 2..2", hello_with(min_version=1, max_version=1)),
         ("step_report_negative_time", server_open, E.MALFORMED_BODY, "step_time_s -0.5",
          raw_frame(F.STEP_REPORT, packb({**report, "step_time_s": -0.5}))),
         ("step_report_nan_time", server_open, E.MALFORMED_BODY, "step_time_s NaN",
@@ -855,20 +865,30 @@ def _connection_vectors() -> list[dict[str, Any]]:
         ("join_entry_with_offset", server_open, E.BAD_MANIFEST,
          "a stream manifest entry [name, dtype, shape, offset] where a model entry has three fields",
          join_with(model=[[ln, "float32", [16], 0]])),
-        ("join_tensor_above_fragment_limit", server_open, E.BAD_MANIFEST,
-         "a float32 tensor of 65536 x 65537 elements: 256 KiB above max_fragment_bytes (16 GiB)",
-         join_with(model=[[ln, "float32", [65536, 65537]]])),
+        ("join_model_above_limit", server_open, E.BAD_MANIFEST,
+         "a float32 tensor of 2^20 x (2^18 + 1) elements: 4 MiB above max_model_bytes (1 TiB)",
+         join_with(model=[[ln, "float32", [1 << 20, (1 << 18) + 1]]])),
         ("join_incarnation_too_long", server_open, E.MALFORMED_BODY, "incarnation of 129 bytes",
          join_with(incarnation="i" * 129)),
         ("join_instance_too_long", server_open, E.MALFORMED_BODY, "instance of 65 bytes",
          join_with(instance="i" * 65)),
-        ("plan_name_in_two_fragments", client_open, E.BAD_MANIFEST,
-         "blocks.0.attn.weight in fragment 0 and again in fragment 1",
-         plan_with(fragments=[*fragment_0, [*fragment_1, fragment_0[0][0]]])),
+        ("plan_rows_in_two_fragments", client_open, E.BAD_MANIFEST,
+         "rows 18..19 of blocks.0.attn.weight in fragment 0 and again in fragment 1",
+         plan_with(fragments=[*fragment_0, [["blocks.0.attn.weight", 18, 32], *fragment_1[1:]]])),
+        ("plan_rows_in_no_fragment", client_open, E.BAD_MANIFEST,
+         "row 19 of blocks.0.attn.weight in no fragment",
+         plan_with(fragments=[*fragment_0, [["blocks.0.attn.weight", 20, 32], *fragment_1[1:]]])),
         ("plan_name_in_no_fragment", client_open, E.BAD_MANIFEST, "blocks.0.ln.weight left out",
          plan_with(fragments=[*fragment_0, fragment_1[:-1]])),
+        ("plan_rows_past_end", client_open, E.BAD_MANIFEST, "rows 0..17 of the 16 of blocks.0.ln.weight",
+         plan_with(fragments=[*fragment_0, [*fragment_1[:-1], [ln, 0, 17]]])),
+        ("plan_empty_piece", client_open, E.BAD_MANIFEST, "a piece of rows 5..5 (start must be below stop)",
+         plan_with(fragments=[*fragment_0, [*fragment_1, ["blocks.0.attn.bias", 5, 5]]])),
         ("plan_unknown_name", client_open, E.BAD_MANIFEST, "a fragment names a parameter the model lacks",
-         plan_with(fragments=[*fragment_0, [*fragment_1, "blocks.1.ln.weight"]])),
+         plan_with(fragments=[*fragment_0, [*fragment_1, ["blocks.1.ln.weight", 0, 16]]])),
+        ("plan_names_not_pieces", client_open, E.MALFORMED_BODY,
+         "protocol version 1's fragments, arrays of names, where version 2 lists [name, start, stop]",
+         plan_with(fragments=[["blocks.0.attn.weight"], [e[0] for e in model[1:]]])),
         ("plan_empty_fragment", client_open, E.BAD_MANIFEST, "a third fragment with no parameters",
          plan_with(fragments=[*fragment_0, fragment_1, []], versions=[7, 6, 0])),
         ("plan_no_fragments", client_open, E.MALFORMED_BODY, "fragments is an empty array",
@@ -896,7 +916,7 @@ def _connection_vectors() -> list[dict[str, Any]]:
         ("challenge_hmac_to_client_without_secret", "control_none:client:await_challenge", E.AUTH_REQUIRED,
          "the control_hmac AUTH_CHALLENGE to a client with no secret", control[1]),
         ("challenge_unsupported_version", await_challenge, E.UNSUPPORTED_VERSION,
-         "the server picks version 2, which the client never offered",
+         "the server picks version 3, which the client never offered",
          raw_frame(F.AUTH_CHALLENGE, packb(bad_version))),
         ("welcome_for_another_session", "data_hmac:client:await_welcome", E.UNKNOWN_SESSION,
          "data connection WELCOME naming another session, with a MAC valid for that session",

@@ -1,10 +1,13 @@
 """Reference DiLoCo and Streaming DiLoCo in plain torch, written from the equations for the
 equivalence tests: what a lock-step run of M learners must produce, step for step.
 
-Independent of dilocod's own maths on purpose: nothing here imports dilocod. The outer gradient is
-δ = anchor - θ per tensor, the merge is the weighted mean or RDA (docs/design.md §3.4 step 3,
-computed in float64), and the outer step is torch.optim.SGD(lr=η, momentum=μ, nesterov=True)
-stepped with grad = Δ, one optimizer per fragment. The fragment plan is docs/design.md §3.1.
+Independent of dilocod's own maths on purpose: nothing here imports dilocod but the fragment plan
+(dilocod.outer.plan and the manifest names of its pieces, docs/design.md §3.1: which rows of which
+parameters a fragment holds, not maths; both sides must cut the model alike). The outer gradient
+is δ = anchor - θ per piece (a parameter's rows in one fragment, keyed `name` or
+`name[start:stop]`), the merge is the weighted mean or RDA (docs/design.md §3.4 step 3, computed in
+float64), and the outer step is torch.optim.SGD(lr=η, momentum=μ, nesterov=True) stepped with
+grad = Δ, one optimizer per fragment.
 
 Two references, so that each can check the other:
 - reference_diloco: DiLoCo as its paper writes it: every learner starts each outer step from the
@@ -26,6 +29,9 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from dilocod.outer.plan import plan_fragments
+from dilocod.wire.manifest import fragment_shapes
+
 #: Below this ‖u‖ the directions of an RDA merge cancel and the weighted mean is used instead.
 RDA_CANCELLED_NORM = 1e-6
 
@@ -36,17 +42,27 @@ Merge = Callable[[Sequence[Tensor], Sequence[float]], Tensor]
 # ------------------------------------------------------------------------------------ the plan
 
 
-def plan_fragments(sizes: Mapping[str, int], count: int) -> list[list[str]]:
-    """docs/design.md §3.1: parameters by size, largest first (ties by name), each into the
-    currently lightest fragment (ties to the lowest index); P is capped at the parameter count."""
-    count = min(count, len(sizes))
-    fragments: list[list[str]] = [[] for _ in range(count)]
-    loads = [0] * count
-    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
-        lightest = min(range(count), key=lambda p: (loads[p], p))
-        fragments[lightest].append(name)
-        loads[lightest] += sizes[name]
-    return fragments
+#: A piece of a fragment: (parameter name, start row, stop row).
+Piece = tuple[str, int, int]
+
+
+def plan_pieces(shapes: Mapping[str, tuple[int, ...]], count: int) -> list[dict[str, Piece]]:
+    """docs/design.md §3.1, by dilocod.outer.plan: each fragment's pieces keyed by the name its
+    manifest gives them (`name` for a whole tensor, `name[start:stop]` for a row slice)."""
+    plan = plan_fragments(list(shapes.items()), count)
+    out = []
+    for f in plan.fragments:
+        labels = [label for label, _ in fragment_shapes(f.pieces, shapes)]
+        out.append({label: (p.name, p.start, p.stop) for label, p in zip(labels, f.pieces, strict=True)})
+    return out
+
+
+def rows(tensor: Tensor, piece: Piece) -> Tensor:
+    """The piece's rows of a whole tensor, as a view (a tensor without rows is whole)."""
+    _, start, stop = piece
+    if tensor.dim() == 0 or tensor.shape[0] == 0:
+        return tensor
+    return tensor[start:stop]
 
 
 def due_step(round_index: int, sync_every: int, fragments: int) -> int:
@@ -162,21 +178,33 @@ class TorchLearner:
         return int(x.shape[0])
 
 
-def snapshot(learner: Learner, names: Sequence[str]) -> dict[str, Tensor]:
-    return {n: learner.params[n].detach().clone() for n in names}
+def _target(learner: Learner, key: str, pieces: Mapping[str, Piece] | None) -> Tensor:
+    """The learner's tensor a key names: a piece's rows of a parameter, or a whole parameter."""
+    if pieces is not None and key in pieces:
+        return rows(learner.params[pieces[key][0]], pieces[key])
+    return learner.params[key]
 
 
-def overwrite_(learner: Learner, values: Mapping[str, Tensor]) -> None:
+def snapshot(learner: Learner, pieces: Mapping[str, Piece]) -> dict[str, Tensor]:
+    return {key: _target(learner, key, pieces).detach().clone() for key in pieces}
+
+
+def overwrite_(
+    learner: Learner, values: Mapping[str, Tensor], pieces: Mapping[str, Piece] | None = None
+) -> None:
+    """θ ← values, keyed by parameter name or (with pieces) by piece."""
     with torch.no_grad():
-        for name, value in values.items():
-            learner.params[name].copy_(value)
+        for key, value in values.items():
+            _target(learner, key, pieces).copy_(value)
 
 
-def mix_(learner: Learner, values: Mapping[str, Tensor], alpha: float) -> None:
+def mix_(
+    learner: Learner, values: Mapping[str, Tensor], alpha: float, pieces: Mapping[str, Piece] | None = None
+) -> None:
     """Streaming DiLoCo's mix: θ ← alpha·θ + (1 - alpha)·Θ_new."""
     with torch.no_grad():
-        for name, value in values.items():
-            theta = learner.params[name]
+        for key, value in values.items():
+            theta = _target(learner, key, pieces)
             theta.copy_(alpha * theta + (1.0 - alpha) * value)
 
 
@@ -218,12 +246,20 @@ class Run:
     outer: OuterNesterov
     learners: list[Learner]
     rounds: list[Round]
+    #: Every fragment's pieces by key (the outer optimizer's tensors are pieces).
+    pieces: dict[str, Piece] = field(default_factory=dict)
 
     def global_at(self, versions: Sequence[int]) -> dict[str, Tensor]:
-        """The global model with fragment p at version versions[p]."""
-        model: dict[str, Tensor] = {}
+        """The global model, whole parameters by name, with fragment p at version versions[p]."""
+        found: dict[str, list[tuple[int, Tensor]]] = {}
         for p, version in enumerate(versions):
-            model.update(self.outer.versions[p][version])
+            for key, value in self.outer.versions[p][version].items():
+                name, start, _ = self.pieces.get(key, (key, 0, 0))
+                found.setdefault(name, []).append((start, value))
+        model: dict[str, Tensor] = {}
+        for name, parts in found.items():
+            parts.sort(key=lambda part: part[0])
+            model[name] = parts[0][1] if len(parts) == 1 else torch.cat([v for _, v in parts])
         return model
 
 
@@ -247,11 +283,12 @@ def reference_streaming(
     if flags.overlap >= flags.sync_every:
         raise ValueError(f"tau ({flags.overlap}) must be below H ({flags.sync_every})")
     merge = MERGES[flags.merge]
-    sizes = {n: t.numel() for n, t in initial.items()}
-    fragments = plan_fragments(sizes, flags.fragments)
+    fragments = plan_pieces({n: tuple(t.shape) for n, t in initial.items()}, flags.fragments)
+    pieces = {key: piece for fragment in fragments for key, piece in fragment.items()}
     count = len(fragments)
-    outer = OuterNesterov(initial, fragments, flags.outer_lr, flags.outer_momentum)
-    anchors = [{n: t.detach().clone().float() for n, t in initial.items()} for _ in learners]
+    start = {key: rows(initial[piece[0]], piece).detach().float() for key, piece in pieces.items()}
+    outer = OuterNesterov(start, [list(f) for f in fragments], flags.outer_lr, flags.outer_momentum)
+    anchors = [{k: t.clone() for k, t in start.items()} for _ in learners]
     since_send = [[(0, 0)] * count for _ in learners]  # (tokens, steps) per learner, per fragment
     pending: list[tuple[int, int, dict[str, Tensor]]] = []  # (apply step, fragment, values)
     rounds: list[Round] = []
@@ -259,9 +296,9 @@ def reference_streaming(
     def apply(p: int, values: dict[str, Tensor]) -> None:
         for m, learner in enumerate(learners):
             if flags.apply == "overwrite":
-                overwrite_(learner, values)
+                overwrite_(learner, values, pieces)
             elif flags.apply == "mix":
-                mix_(learner, values, flags.mix_alpha)
+                mix_(learner, values, flags.mix_alpha, pieces)
             else:
                 raise ValueError(f"the reference knows overwrite and mix, not {flags.apply!r}")
             anchors[m].update({n: v.clone() for n, v in values.items()})
@@ -296,7 +333,7 @@ def reference_streaming(
                 apply(p, values)
             else:
                 pending.append((s + flags.overlap, p, values))
-    return Run(outer, list(learners), rounds)
+    return Run(outer, list(learners), rounds, pieces)
 
 
 def reference_diloco(

@@ -27,7 +27,7 @@ import torch
 from dilocod.transport.endpoints import connect
 from dilocod.transport.errors import SessionClosed, TransferFailed
 from dilocod.transport.session import FragmentReceived, Session
-from dilocod.wire.manifest import ModelEntry, TensorEntry, pack_manifest
+from dilocod.wire.manifest import ModelEntry, TensorEntry, fragment_manifest
 from dilocod.wire.messages import Error, FragmentRequest, Join, Plan, PushHeader, StepReport, UpdateHeader
 
 CHUNK_BYTES = 64 * 1024
@@ -91,9 +91,9 @@ class ScriptedLearner:
                 raise RuntimeError(f"expected PLAN, got {first!r}")
             self.plan = first
             shapes = {e.name: e.shape for e in first.model}
-            for names in first.fragments:
-                manifest, raw = pack_manifest([(n, "float32", shapes[n]) for n in names])
-                self.manifests.append(tuple(manifest))
+            for pieces in first.fragments:
+                manifest, raw = fragment_manifest(pieces, shapes)
+                self.manifests.append(manifest)
                 self.anchors.append(torch.zeros(raw // 4))
                 self.local.append(torch.zeros(raw // 4))
             count = len(first.fragments)

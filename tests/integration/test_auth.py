@@ -32,6 +32,7 @@ from dilocod.transport.credentials import TlsFiles, client_context
 from dilocod.transport.endpoints import connect
 from dilocod.transport.errors import HandshakeFailed
 from dilocod.transport.loop import run
+from dilocod.wire.connection import PROTOCOL_MAX_VERSION
 from dilocod.wire.errors import ErrorCode
 from dilocod.wire.frames import FrameType, encode_header
 from dilocod.wire.manifest import ModelEntry, pack_manifest
@@ -62,7 +63,8 @@ def _frame(message: Message, stream_id: int = 0) -> bytes:
 
 
 def _hello(peer_id: str, *, kind: str = "control", session: bytes = b"") -> bytes:
-    return _frame(Hello(1, 1, kind, "learner", peer_id, secrets.token_bytes(NONCE_BYTES), session))
+    nonce, version = secrets.token_bytes(NONCE_BYTES), PROTOCOL_MAX_VERSION
+    return _frame(Hello(version, version, kind, "learner", peer_id, nonce, session))
 
 
 def _refused_at_handshake(reply: RawReply, code: ErrorCode) -> None:

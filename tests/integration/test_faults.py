@@ -335,7 +335,7 @@ BAD_INPUT = [
         (),
         id="hello-missing-fields",
     ),
-    pytest.param(_hello(2, 3), ErrorCode.UNSUPPORTED_VERSION, (), id="hello-only-version-2"),
+    pytest.param(_hello(3, 4), ErrorCode.UNSUPPORTED_VERSION, (), id="hello-only-versions-3-4"),
 ]
 
 

@@ -32,7 +32,7 @@ from dilocod.transport.endpoints import connect
 from dilocod.transport.errors import SessionClosed, TransferFailed
 from dilocod.transport.loop import run
 from dilocod.wire.errors import ErrorCode
-from dilocod.wire.manifest import ModelEntry, pack_manifest
+from dilocod.wire.manifest import ModelEntry, fragment_manifest
 from dilocod.wire.messages import Join, Plan, PushHeader, StatusRequest, StatusResponse
 
 from .learner_script import ScriptedLearner
@@ -53,14 +53,14 @@ def entry_dir(tmp_path: Path) -> Path:
     return write_entry(tmp_path / "entry")
 
 
-def _flat(values: dict[str, torch.Tensor], names: tuple[str, ...]) -> torch.Tensor:
-    shapes = {n: tuple(values[n].shape) for n in names}
-    manifest, raw = pack_manifest([(n, "float32", shapes[n]) for n in names])
+def _flat(values: dict[str, torch.Tensor], pieces: tuple[tuple[str, int, int], ...]) -> torch.Tensor:
+    """A fragment's bytes as float32: each piece's rows at its manifest offset."""
+    shapes = {n: tuple(v.shape) for n, v in values.items()}
+    manifest, raw = fragment_manifest(pieces, shapes)
     flat = torch.zeros(raw // 4)
-    for entry in manifest:
-        flat[entry.offset // 4 : entry.offset // 4 + values[entry.name].numel()] = values[
-            entry.name
-        ].flatten()
+    for entry, (name, start, stop) in zip(manifest, pieces, strict=True):
+        rows = values[name] if values[name].dim() == 0 else values[name][start:stop]
+        flat[entry.offset // 4 : entry.offset // 4 + rows.numel()] = rows.flatten()
     return flat
 
 
@@ -230,6 +230,7 @@ def test_status_command_reads_a_running_syncer(tmp_path: Path, entry_dir: Path) 
         status = syncer_status(syncer.port)
         assert [f["index"] for f in status["fragments"]] == [0, 1, 2]
         assert status["rounds_merged"] >= 1 and sum(f["version"] for f in status["fragments"]) >= 1
+        assert 1.0 <= status["fragment_imbalance"] <= 1.1  # row slices: near-equal fragments
         (solo,) = status["learners"]
         assert solo["id"] == "solo" and solo["contributions"] >= 1 and solo["weight_share"] == 1.0
         # Goodput: the reported step times over the wall time since "solo" first joined.

@@ -160,6 +160,37 @@ def test_tensor_files_are_what_safetensors_itself_writes(tmp_path: Path) -> None
     assert (path / MODEL_FILE).read_bytes() == expected
 
 
+def test_a_tensor_given_as_row_pieces_is_written_as_the_whole_tensor(tmp_path: Path) -> None:
+    """The syncer hands its parameters over as row pieces (views of its fragment buffers): the
+    file is byte for byte the one of the whole tensors, and loads as them."""
+    whole = make_state(4)
+    cut = SyncerState(
+        {name: list(torch.tensor_split(t, 3)) if t.dim() else [t] for name, t in whole.params.items()},
+        {name: list(torch.tensor_split(t, 2)) if t.dim() else t for name, t in whole.momentum.items()},
+        list(whole.versions),
+        dict(whole.meta),
+    )
+    # Cut: bf16 and float32 tensors, a non-contiguous one, the two sharing one storage.
+    assert len(cut.params["head.weight"]) == 3 and not cut.params["head.weight"][0].is_contiguous()
+    sliced_dir, whole_dir = tmp_path / "sliced", tmp_path / "whole"
+    sliced, full = save_checkpoint(sliced_dir, cut), save_checkpoint(whole_dir, whole)
+    for file in (MODEL_FILE, "momentum.safetensors"):
+        assert (sliced / file).read_bytes() == (full / file).read_bytes(), file
+    loaded = load_latest_checkpoint(sliced_dir)
+    assert loaded is not None
+    assert_same_tensors(loaded.state.params, whole.params)
+    assert_same_tensors(loaded.state.momentum, {name: whole.momentum[name] for name in whole.params})
+
+
+def test_pieces_that_do_not_stack_are_refused(tmp_path: Path) -> None:
+    state = make_state(5)
+    name = next(n for n, t in state.params.items() if t.dim() == 2)
+    rows, cols = state.params[name].shape
+    state.params[name] = [torch.zeros(1, cols), torch.zeros(rows - 1, cols + 1)]
+    with pytest.raises(ValueError, match="do not stack"):
+        save_checkpoint(tmp_path, state)
+
+
 # --- retention and leftovers -------------------------------------------------------------------
 
 

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dilocod.wire import auth
-from dilocod.wire.connection import Connection
+from dilocod.wire.connection import PROTOCOL_MAX_VERSION, Connection
 from dilocod.wire.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
 from dilocod.wire.events import ChunkReceived, Event, HandshakeCompleted, MessageReceived, PeerWentAway
 from dilocod.wire.frames import (
@@ -74,9 +74,11 @@ CLOSING = frozenset({FrameType.ERROR, FrameType.GOODBYE})
 
 _ENTRIES, _RAW = pack_manifest([("w", "float32", [4, 4]), ("b", "bfloat16", [3])])
 _MODEL = (ModelEntry("w", "float32", (4, 4)), ModelEntry("b", "bfloat16", (3,)))
+#: The protocol version this reference speaks (protocol/SPEC.md §7.2).
+V = PROTOCOL_MAX_VERSION
 #: One well-formed message for every frame type but CHUNK.
 SAMPLES: dict[FrameType, Message] = {
-    FrameType.HELLO: Hello(1, 1, "control", "learner", "x", bytes(32)),
+    FrameType.HELLO: Hello(V, V, "control", "learner", "x", bytes(32)),
     FrameType.AUTH_CHALLENGE: AuthChallenge(1, "none", bytes(32)),
     FrameType.AUTH_RESPONSE: AuthResponse(b""),
     FrameType.WELCOME: Welcome(bytes(16), "syncer", "inc", b""),
@@ -84,7 +86,7 @@ SAMPLES: dict[FrameType, Message] = {
     FrameType.FRAGMENT_REQUEST: FragmentRequest(2, 5, 4),
     FrameType.NOTHING_TO_PUSH: NothingToPush(2, 5, 4, 120),
     FrameType.JOIN: Join(_MODEL, "inc-0"),
-    FrameType.PLAN: Plan("inc-1", _MODEL, (("w",), ("b",)), (6, 5), 24, 2, 1),
+    FrameType.PLAN: Plan("inc-1", _MODEL, ((("w", 0, 4),), (("b", 0, 3),)), (6, 5), 24, 2, 1),
     FrameType.PUSH_HEADER: PushHeader(tuple(_ENTRIES), _RAW, "zstd", 4096, 2, 5, 4, 100, 409_600),
     FrameType.UPDATE_HEADER: UpdateHeader(tuple(_ENTRIES), _RAW, "lz4", 4096, 2, 6),
     FrameType.FRAGMENT_ACK: FragmentAck(),
@@ -203,7 +205,7 @@ def test_hmac_handshake_completes_with_matching_sessions(shuttle: Shuttle) -> No
     challenge_out = server.data_to_send()
     (challenge,) = decoded(frames_of(challenge_out))
     assert isinstance(challenge, AuthChallenge) and challenge.method == "hmac-sha256"
-    assert challenge.version == 1 and len(challenge.nonce) == 32
+    assert challenge.version == V and len(challenge.nonce) == 32
     assert [e for b in challenge_out for e in client.receive_data(b)] == []
     assert client.state is State.AWAIT_WELCOME
 
@@ -220,10 +222,10 @@ def test_hmac_handshake_completes_with_matching_sessions(shuttle: Shuttle) -> No
     assert on_server.session == on_client.session == server.session == client.session
     assert len(server.session) == 16
     assert on_server == HandshakeCompleted(
-        1, "control", "learner", "learner-1", server.session, "inc-1", ("zstd",)
+        V, "control", "learner", "learner-1", server.session, "inc-1", ("zstd",)
     )
     assert on_client == HandshakeCompleted(
-        1, "control", "learner", "syncer", client.session, "inc-1", ("shuffle",)
+        V, "control", "learner", "syncer", client.session, "inc-1", ("shuffle",)
     )
     assert server.peer == on_server and client.peer == on_client
     assert client.data_to_send() == [] and server.data_to_send() == []
@@ -341,13 +343,13 @@ def test_replayed_auth_response_fails() -> None:
 
 
 def test_proofs_bind_every_field_of_the_hello() -> None:
-    hello = Hello(1, 1, "control", "learner", "a", bytes(32))
+    hello = Hello(V, V, "control", "learner", "a", bytes(32))
     base = auth.client_proof(SECRET, hello, 1, bytes(32))
     variants = [
-        Hello(1, 1, "control", "learner", "b", bytes(32)),
-        Hello(1, 1, "control", "status", "a", bytes(32)),
-        Hello(1, 1, "data", "learner", "a", bytes(32), bytes(16)),
-        Hello(1, 1, "control", "learner", "a", bytes(31) + b"\x01"),
+        Hello(V, V, "control", "learner", "b", bytes(32)),
+        Hello(V, V, "control", "status", "a", bytes(32)),
+        Hello(V, V, "data", "learner", "a", bytes(32), bytes(16)),
+        Hello(V, V, "control", "learner", "a", bytes(31) + b"\x01"),
     ]
     assert all(auth.client_proof(SECRET, v, 1, bytes(32)) != base for v in variants)
     assert auth.client_proof(SECRET, hello, 1, bytes(31) + b"\x01") != base
@@ -385,7 +387,7 @@ def test_data_connection_answered_for_another_session(shuttle: Shuttle) -> None:
     assert info.value.code is ErrorCode.UNKNOWN_SESSION
 
 
-@pytest.mark.parametrize("versions", [(2, 2), (2, 9), (0, 0)])
+@pytest.mark.parametrize("versions", [(1, 1), (3, 9), (0, 0)])
 def test_hello_without_a_common_version(versions: tuple[int, int]) -> None:
     server = new_server(SECRET)
     hello = Hello(versions[0], versions[1], "control", "learner", "future", bytes(32))
@@ -402,8 +404,8 @@ def test_hello_from_a_newer_client_negotiates_down() -> None:
     server = new_server(None)
     server.receive_data(raw_frame(Hello(1, 5, "control", "learner", "future", bytes(32))))
     (challenge,) = decoded(frames_of(server.data_to_send()))
-    assert isinstance(challenge, AuthChallenge) and challenge.version == 1
-    assert server.version == 1
+    assert isinstance(challenge, AuthChallenge) and challenge.version == V
+    assert server.version == V
 
 
 def test_challenge_with_an_unsupported_version() -> None:
@@ -411,7 +413,7 @@ def test_challenge_with_an_unsupported_version() -> None:
     client.start(kind="control", role="learner")
     client.data_to_send()
     with pytest.raises(RemoteProtocolError) as info:
-        client.receive_data(raw_frame(AuthChallenge(2, "none", bytes(32))))
+        client.receive_data(raw_frame(AuthChallenge(V + 1, "none", bytes(32))))
     assert info.value.code is ErrorCode.UNSUPPORTED_VERSION
     assert client.state is State.CLOSED
 
@@ -430,7 +432,7 @@ def test_server_wants_hello_first(frame_type: FrameType) -> None:
 
 def test_chunk_before_authentication_is_refused() -> None:
     server = new_server(SECRET)
-    server.receive_data(raw_frame(Hello(1, 1, "data", "learner", "x", bytes(32), bytes(16))))
+    server.receive_data(raw_frame(Hello(V, V, "data", "learner", "x", bytes(32), bytes(16))))
     chunk = encode_header(FrameType.CHUNK, TID, CHUNK_HEADER_BYTES + 4)
     with pytest.raises(RemoteProtocolError) as info:
         server.receive_data(chunk)
@@ -770,7 +772,7 @@ def normalized(events: list[Event]) -> list[object]:
 def test_byte_at_a_time_gives_the_same_events() -> None:
     whole = insecure_client_bytes()
     expected = [
-        (1, "control", "learner", "learner-1"),
+        (V, "control", "learner", "learner-1"),
         MessageReceived(StepReport(1, 2, 3.0)),
         MessageReceived(SAMPLES[FrameType.PUSH_HEADER], TID),
         (TID, ChunkHeader(0, 8, Codec.NONE, 0, 5), b"12345678", False),
@@ -864,7 +866,7 @@ def frame_bytes(draw: st.DrawFn) -> bytes:
 
 
 #: A plausible opening for an insecure server: a valid HELLO and AUTH_RESPONSE.
-INSECURE_OPENING = raw_frame(Hello(1, 1, "control", "learner", "fuzz", bytes(32))) + raw_frame(
+INSECURE_OPENING = raw_frame(Hello(V, V, "control", "learner", "fuzz", bytes(32))) + raw_frame(
     AuthResponse(b"")
 )
 

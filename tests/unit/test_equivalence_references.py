@@ -22,7 +22,7 @@ from tests.integration.diloco_reference import (
     due_step,
     mean_merge,
     merge_weights,
-    plan_fragments,
+    plan_pieces,
     rda_merge,
     reference_diloco,
     reference_streaming,
@@ -65,17 +65,27 @@ def _max_error(got: dict[str, Tensor], want: dict[str, Tensor]) -> float:
 
 
 def test_plan_is_the_design_rule_on_the_test_model() -> None:
-    # Sizes 256 (2.weight), 128 (0.weight), 64 (4.weight), 16, 16, 4 (biases): each into the
-    # lightest fragment; the two biases of 16 by name; the lightest is then fragment 3 each time.
-    sizes = {n: t.numel() for n, t in _mlp_initial().items()}
-    assert plan_fragments(sizes, 4) == [
-        ["2.weight"],
-        ["0.weight"],
-        ["4.weight"],
-        ["0.bias", "2.bias", "4.bias"],
+    # 484 elements in registration order: 0.weight (16 x 8), 0.bias (16), 2.weight (16 x 16),
+    # 2.bias (16), 4.weight (4 x 16), 4.bias (4). P = 4 cuts at the row boundaries nearest 121,
+    # 242 and 363: 120 (row 15 of 0.weight), 240 (row 6 of 2.weight) and 368 (row 14 of it).
+    shapes = {n: tuple(t.shape) for n, t in _mlp_initial().items()}
+    assert plan_pieces(shapes, 4) == [
+        {"0.weight[0:15]": ("0.weight", 0, 15)},
+        {
+            "0.weight[15:16]": ("0.weight", 15, 16),
+            "0.bias": ("0.bias", 0, 16),
+            "2.weight[0:6]": ("2.weight", 0, 6),
+        },
+        {"2.weight[6:14]": ("2.weight", 6, 14)},
+        {
+            "2.weight[14:16]": ("2.weight", 14, 16),
+            "2.bias": ("2.bias", 0, 16),
+            "4.weight": ("4.weight", 0, 4),
+            "4.bias": ("4.bias", 0, 4),
+        },
     ]
-    assert plan_fragments(sizes, 1) == [["2.weight", "0.weight", "4.weight", "0.bias", "2.bias", "4.bias"]]
-    assert len(plan_fragments(sizes, 24)) == len(sizes)  # P is capped at the parameter count
+    assert [list(f) for f in plan_pieces(shapes, 1)] == [list(shapes)]
+    assert len(plan_pieces(shapes, 24)) == 24  # rows, not tensors, cap P
 
 
 def test_due_steps_are_the_schedule_of_the_design() -> None:

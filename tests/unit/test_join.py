@@ -25,7 +25,14 @@ from dilocod.wire.errors import ErrorCode, RemoteProtocolError
 from dilocod.wire.events import ChunkReceived, Event, MessageReceived, PeerWentAway
 from dilocod.wire.frames import ChunkHeader, Codec, FrameType, encode_header
 from dilocod.wire.limits import Limits
-from dilocod.wire.manifest import DTYPE_SIZES, ModelEntry, pack_manifest, parse_model
+from dilocod.wire.manifest import (
+    DTYPE_SIZES,
+    ModelEntry,
+    fragment_shapes,
+    pack_manifest,
+    parse_model,
+    piece_rows,
+)
 from dilocod.wire.messages import (
     FragmentAck,
     FragmentEnd,
@@ -56,7 +63,10 @@ MODEL = (
 PLAN = Plan(
     "inc-2",
     MODEL,
-    (("blocks.0.weight", "head.scale"), ("embed.weight", "blocks.0.bias")),
+    (
+        (("blocks.0.weight", 0, 16), ("head.scale", 0, 1), ("embed.weight", 100, 128)),
+        (("embed.weight", 0, 100), ("blocks.0.bias", 0, 16)),
+    ),
     (11, 9),
     24,
     2,
@@ -91,16 +101,18 @@ def test_model_entry_size_and_wire_form() -> None:
 
 
 def test_model_bounds_are_inclusive() -> None:
-    """A tensor of exactly max_fragment_bytes fits a fragment; one more element does not. An empty
-    tensor may have dimensions up to max_fragment_bytes."""
-    assert parse_model([["a", "int8", [MAX_FRAGMENT_BYTES]]], LIMITS) == (
-        ModelEntry("a", "int8", (MAX_FRAGMENT_BYTES,)),
-    )
-    assert parse_model([["a", "float32", [0, MAX_FRAGMENT_BYTES]]], LIMITS)[0].nbytes == 0
-    assert parse_model([["a", "float32", [MAX_FRAGMENT_BYTES // 4]]], LIMITS)[0].nbytes == MAX_FRAGMENT_BYTES
+    """A model of exactly max_model_bytes passes; one more byte does not. A tensor larger than a
+    fragment passes (it travels in row slices), a 12B-parameter float32 one included."""
+    small = Limits(max_model_bytes=1000)
+    assert parse_model([["a", "int8", [600]], ["b", "int8", [400]]], small)[1].nbytes == 400
     with pytest.raises(RemoteProtocolError) as info:
-        parse_model([["a", "float32", [MAX_FRAGMENT_BYTES // 4 + 1]]], LIMITS)
+        parse_model([["a", "int8", [600]], ["b", "int8", [401]]], small)
     assert info.value.code is ErrorCode.BAD_MANIFEST
+    assert parse_model([["a", "float32", [0, LIMITS.max_model_bytes]]], LIMITS)[0].nbytes == 0
+    above_fragment = parse_model([["a", "float32", [MAX_FRAGMENT_BYTES // 4 + 1]]], LIMITS)
+    assert above_fragment[0].nbytes > MAX_FRAGMENT_BYTES
+    twelve_b = parse_model([[f"layers.{i}", "float32", [8192, 30_720]] for i in range(48)], LIMITS)
+    assert sum(e.nbytes for e in twelve_b) // 4 > 12 * 10**9
     rank_8 = parse_model([["a", "int8", [1] * LIMITS.max_tensor_rank]], LIMITS)
     assert rank_8[0].shape == (1,) * 8
 
@@ -124,7 +136,7 @@ BAD_MODELS = [
     pytest.param([["a", "int8", [True]]], ErrorCode.BAD_MANIFEST, id="bool-dim"),
     pytest.param([["a", "int8", [1.0]]], ErrorCode.BAD_MANIFEST, id="float-dim"),
     pytest.param(
-        [["a", "int8", [MAX_FRAGMENT_BYTES + 1, 0]]], ErrorCode.BAD_MANIFEST, id="dim-above-fragment-bytes"
+        [["a", "int8", [LIMITS.max_model_bytes + 1, 0]]], ErrorCode.BAD_MANIFEST, id="dim-above-model-bytes"
     ),
     pytest.param([["a", "int8", [2**32] * 8]], ErrorCode.BAD_MANIFEST, id="huge-product"),
 ]
@@ -153,7 +165,7 @@ def test_model_limits() -> None:
             parse_model(bad, limits)
         assert info.value.code is ErrorCode.BAD_MANIFEST
     with pytest.raises(RemoteProtocolError) as info:
-        parse_model([["a", "int8", [2000]]], Limits(max_fragment_bytes=1999))
+        parse_model([["a", "int8", [2000]]], Limits(max_model_bytes=1999))
     assert info.value.code is ErrorCode.BAD_MANIFEST
 
 
@@ -188,7 +200,7 @@ def test_any_model_parses_or_is_refused(raw: object) -> None:
         assert exc.code in (ErrorCode.BAD_MANIFEST, ErrorCode.LIMIT_EXCEEDED)
         return
     assert entries and len({e.name for e in entries}) == len(entries)
-    assert all(e.dtype in DTYPE_SIZES and e.nbytes <= LIMITS.max_fragment_bytes for e in entries)
+    assert all(e.dtype in DTYPE_SIZES and e.nbytes <= LIMITS.max_model_bytes for e in entries)
 
 
 # ------------------------------------------------------------------------------------ plan
@@ -196,62 +208,94 @@ def test_any_model_parses_or_is_refused(raw: object) -> None:
 
 def test_plan_decodes() -> None:
     assert decode_body(FrameType.PLAN, encode_body(PLAN), LIMITS) == PLAN
-    # Fragments may list names in any order and need not follow the model's order.
+    # Pieces may come in any order and need not follow the model's order, nor be consecutive.
     shuffled = Plan(
-        "", MODEL, (("head.scale",), ("blocks.0.bias", "embed.weight", "blocks.0.weight")), (0, 0), 1, 0, 1
+        "",
+        MODEL,
+        (
+            (("head.scale", 0, 1), ("embed.weight", 64, 128)),
+            (("blocks.0.bias", 8, 16), ("embed.weight", 0, 64), ("blocks.0.weight", 0, 16)),
+            (("blocks.0.bias", 0, 8),),
+        ),
+        (0, 0, 0),
+        1,
+        0,
+        1,
     )
     assert decode_body(FrameType.PLAN, encode_body(shuffled), LIMITS) == shuffled
 
 
+W0 = ["blocks.0.weight", 0, 16]
+S0 = ["head.scale", 0, 1]
+E_TAIL = ["embed.weight", 100, 128]
+E_HEAD = ["embed.weight", 0, 100]
+B0 = ["blocks.0.bias", 0, 16]
+
 BAD_PLANS = [
-    # The partition of the model's names: BAD_MANIFEST.
+    # Whether the pieces tile every parameter's rows exactly once: BAD_MANIFEST.
     pytest.param(
-        {"fragments": [["blocks.0.weight", "head.scale"], ["embed.weight", "blocks.0.bias", "head.scale"]]},
+        {"fragments": [[W0, S0, E_TAIL], [E_HEAD, B0, S0]]},
         ErrorCode.BAD_MANIFEST,
-        id="name-in-two-fragments",
+        id="piece-in-two-fragments",
     ),
     pytest.param(
-        {
-            "fragments": [
-                ["blocks.0.weight", "blocks.0.weight"],
-                ["embed.weight", "blocks.0.bias", "head.scale"],
-            ]
-        },
+        {"fragments": [[W0, S0, E_TAIL], [["embed.weight", 0, 101], B0]]},
         ErrorCode.BAD_MANIFEST,
-        id="name-twice-in-one-fragment",
+        id="overlapping-rows",
     ),
     pytest.param(
-        {"fragments": [["blocks.0.weight"], ["embed.weight", "blocks.0.bias"]]},
-        ErrorCode.BAD_MANIFEST,
-        id="name-in-no-fragment",
+        {"fragments": [[W0, S0, E_TAIL], [["embed.weight", 0, 99], B0]]}, ErrorCode.BAD_MANIFEST, id="row-gap"
     ),
     pytest.param(
-        {
-            "fragments": [
-                ["blocks.0.weight", "head.scale"],
-                ["embed.weight", "blocks.0.bias", "lm_head.weight"],
-            ]
-        },
+        {"fragments": [[W0, S0, E_TAIL], [E_HEAD, ["blocks.0.bias", 0, 17]]]},
+        ErrorCode.BAD_MANIFEST,
+        id="rows-past-the-end",
+    ),
+    pytest.param(
+        {"fragments": [[W0, S0, E_TAIL], [E_HEAD, B0, ["blocks.0.bias", 3, 3]]]},
+        ErrorCode.BAD_MANIFEST,
+        id="empty-piece",
+    ),
+    pytest.param(
+        {"fragments": [[W0, S0, E_TAIL], [E_HEAD, ["blocks.0.bias", -1, 16]]]},
+        ErrorCode.BAD_MANIFEST,
+        id="negative-start",
+    ),
+    pytest.param(
+        {"fragments": [[W0, ["head.scale", 0, 2], E_TAIL], [E_HEAD, B0]]},
+        ErrorCode.BAD_MANIFEST,
+        id="0-d-tensor-of-two-rows",
+    ),
+    pytest.param(
+        {"fragments": [[W0, S0, E_TAIL], [E_HEAD]]}, ErrorCode.BAD_MANIFEST, id="name-in-no-fragment"
+    ),
+    pytest.param(
+        {"fragments": [[W0, S0, E_TAIL], [E_HEAD, B0, ["lm_head.weight", 0, 1]]]},
         ErrorCode.BAD_MANIFEST,
         id="unknown-name",
     ),
     pytest.param(
-        {
-            "fragments": [["blocks.0.weight", "head.scale"], ["embed.weight", "blocks.0.bias"], []],
-            "versions": [1, 2, 3],
-        },
+        {"fragments": [[W0, S0, E_TAIL], [E_HEAD, B0], []], "versions": [1, 2, 3]},
         ErrorCode.BAD_MANIFEST,
         id="empty-fragment",
     ),
     # Its structure: MALFORMED_BODY.
     pytest.param({"fragments": []}, ErrorCode.MALFORMED_BODY, id="no-fragments"),
-    pytest.param({"fragments": {"0": ["a"]}}, ErrorCode.MALFORMED_BODY, id="fragments-a-map"),
-    pytest.param({"fragments": [["blocks.0.weight", 3]]}, ErrorCode.MALFORMED_BODY, id="int-name"),
+    pytest.param({"fragments": {"0": [W0]}}, ErrorCode.MALFORMED_BODY, id="fragments-a-map"),
+    pytest.param({"fragments": [[W0, [3, 0, 1]]]}, ErrorCode.MALFORMED_BODY, id="int-name"),
     pytest.param(
-        # A structural fault anywhere wins over a partition fault earlier in the array.
-        {"fragments": [["blocks.0.weight", "blocks.0.weight"], [None]]},
+        {"fragments": [["blocks.0.weight", "head.scale"], ["embed.weight", "blocks.0.bias"]]},
         ErrorCode.MALFORMED_BODY,
-        id="structure-checked-before-partition",
+        id="names-not-pieces",
+    ),
+    pytest.param({"fragments": [[["blocks.0.weight", 0]]]}, ErrorCode.MALFORMED_BODY, id="piece-of-two"),
+    pytest.param({"fragments": [[["blocks.0.weight", 0, 16.0]]]}, ErrorCode.MALFORMED_BODY, id="float-row"),
+    pytest.param({"fragments": [[["blocks.0.weight", True, 16]]]}, ErrorCode.MALFORMED_BODY, id="bool-row"),
+    pytest.param(
+        # A structural fault anywhere wins over a tiling fault earlier in the array.
+        {"fragments": [[W0, W0], [None]]},
+        ErrorCode.MALFORMED_BODY,
+        id="structure-checked-before-tiling",
     ),
     pytest.param({"versions": [1]}, ErrorCode.MALFORMED_BODY, id="fewer-versions-than-fragments"),
     pytest.param({"versions": [1, 2, 3]}, ErrorCode.MALFORMED_BODY, id="more-versions-than-fragments"),
@@ -271,13 +315,23 @@ def test_bad_plan_is_refused(changes: dict[str, object], code: ErrorCode) -> Non
 
 
 def test_plan_limits() -> None:
-    names = [e.name for e in MODEL]
-    four = Plan("", MODEL, tuple((n,) for n in names), (0, 0, 0, 0), 4, 1, 2)
+    whole = [(e.name, 0, piece_rows(e.shape)) for e in MODEL]
+    four = Plan("", MODEL, tuple((p,) for p in whole), (0, 0, 0, 0), 4, 1, 2)
     assert decode_body(FrameType.PLAN, encode_body(four), Limits(max_fragments=4)) == four
     assert refused(FrameType.PLAN, encode_body(four), Limits(max_fragments=3)) is ErrorCode.LIMIT_EXCEEDED
     # A name longer than any model may hold is refused as structure, whatever the model says.
-    long_name = packed(PLAN, fragments=[["blocks.0.weight", "head.scale"], ["embed.weight", "x" * 20]])
+    long_name = packed(PLAN, fragments=[[W0, S0, E_TAIL], [E_HEAD, ["x" * 20, 0, 1]]])
     assert refused(FrameType.PLAN, long_name, Limits(max_name_bytes=16)) is ErrorCode.MALFORMED_BODY
+    # A fragment's float32 bytes (embed.weight rows 0..100: 12800, with the bias 12864) and its
+    # pieces are bounded like a stream's.
+    assert (
+        refused(FrameType.PLAN, encode_body(PLAN), Limits(max_fragment_bytes=12_863))
+        is ErrorCode.LIMIT_EXCEEDED
+    )
+    assert decode_body(FrameType.PLAN, encode_body(PLAN), Limits(max_fragment_bytes=12_864)) == PLAN
+    assert refused(FrameType.PLAN, encode_body(PLAN), Limits(max_tensors_per_fragment=2)) is (
+        ErrorCode.LIMIT_EXCEEDED
+    )
 
 
 def test_join_fields() -> None:
@@ -310,8 +364,15 @@ def test_join_instance_is_optional_and_bounded() -> None:
 def fragment_bytes(plan: Plan, index: int) -> tuple[UpdateHeader, bytes]:
     """What a syncer sends to heal one fragment: its tensors in fragment order, packed."""
     by_name = {e.name: e for e in plan.model}
-    tensors = [(n, by_name[n].dtype, by_name[n].shape) for n in plan.fragments[index]]
-    entries, raw_bytes = pack_manifest(tensors)
+    shapes = {e.name: e.shape for e in plan.model}
+    pieces = plan.fragments[index]
+    labelled = fragment_shapes(pieces, shapes)
+    entries, raw_bytes = pack_manifest(
+        [
+            (label, by_name[name].dtype, shape)
+            for (label, shape), (name, _, _) in zip(labelled, pieces, strict=True)
+        ]
+    )
     header = UpdateHeader(
         tuple(entries), raw_bytes, "none", LIMITS.min_chunk_bytes, index, plan.versions[index]
     )
@@ -357,12 +418,16 @@ def test_join_plan_heal_then_rounds(connect: Connect, shuttle: Shuttle) -> None:
                 healed[index] = done
                 learner.send(FragmentAck(), done.transfer_id)
         assert bytes(healed[index].buffer) == raw
-        assert header.chunks == (1, 3)[index]  # the embedding's fragment spans several chunks
+        assert header.chunks == (1, 2)[index]  # the embedding's rows 0..100 span two chunks
         assert shuttle(learner, syncer) == [MessageReceived(FragmentAck(), transfer_id)]
     for index, done in healed.items():
         assert isinstance(done.header, UpdateHeader)
-        assert [e.name for e in done.header.manifest] == list(PLAN.fragments[index])
+        labels = [
+            label for label, _ in fragment_shapes(PLAN.fragments[index], {e.name: e.shape for e in MODEL})
+        ]
+        assert [e.name for e in done.header.manifest] == labels
         assert done.header.version == PLAN.versions[index]
+    assert labels == ["embed.weight[0:100]", "blocks.0.bias"]
 
     learner.send(StepReport(1, 4096, 0.5))
     assert shuttle(learner, syncer) == [MessageReceived(StepReport(1, 4096, 0.5))]

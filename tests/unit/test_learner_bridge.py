@@ -25,7 +25,7 @@ MODEL = (ModelEntry("a", "float32", (2,)), ModelEntry("b", "float32", (3,)))
 
 
 def plan(incarnation: str = "inc-1") -> Plan:
-    return Plan(incarnation, MODEL, (("a",), ("b",)), (0, 0), 2, 2, 1)
+    return Plan(incarnation, MODEL, ((("a", 0, 2),), (("b", 0, 3),)), (0, 0), 2, 2, 1)
 
 
 def adopt(fragment: int, version: int, heal: bool = False, fill: int = 0) -> Adopt:

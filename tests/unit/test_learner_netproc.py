@@ -391,7 +391,7 @@ def test_given_back_buffers_ride_on_the_next_inbox_message(
 
 def _plan(overlap: int) -> Plan:
     model = (ModelEntry("a", "float32", (4,)), ModelEntry("b", "float32", (4,)))
-    return Plan("inc", model, (("a",), ("b",)), (0, 0), 2, overlap, 1)
+    return Plan("inc", model, ((("a", 0, 4),), (("b", 0, 4),)), (0, 0), 2, overlap, 1)
 
 
 def _count_datagrams(child: _Child) -> list[str]:

@@ -30,9 +30,8 @@ from dilocod.learner.layout import PlanMismatch, model_entries
 from dilocod.learner.link import compute_push
 from dilocod.learner.runtime import LearnerStopped, RuntimeConfig, TrainingLoop
 from dilocod.learner.state import STATE_FILE, LocalStateError
-from dilocod.outer import module_sizes, plan_fragments
 from dilocod.wire.codecs import checksum
-from dilocod.wire.manifest import ModelEntry, TensorEntry, pack_manifest
+from dilocod.wire.manifest import ModelEntry, TensorEntry, pack_manifest, piece_rows
 from dilocod.wire.messages import FragmentRequest, Plan
 
 ENTRY = "tests_rig:make_trainer"
@@ -124,7 +123,8 @@ class Rig:
 
     @property
     def fragments(self) -> tuple[tuple[str, ...], ...]:
-        return self.plan.fragments
+        """The parameter names of each fragment (this rig's plan holds whole parameters)."""
+        return tuple(tuple(name for name, _, _ in pieces) for pieces in self.plan.fragments)
 
     def manifest(self, fragment: int) -> tuple[TensorEntry, ...]:
         shapes = {n: p.shape for n, p in self.job.model.named_parameters()}
@@ -176,11 +176,14 @@ def rig(
     )
     bridge = Bridge()
     loop = TrainingLoop(config, job.trainer(), bridge, CPU, "m0")
-    fragment_plan = plan_fragments(module_sizes(job.model), 2)
+    # Whole parameters, so that values here are keyed by name: the first parameter alone, then the
+    # rest (row slices are the layout's business, tests/unit/test_learner_layout.py).
+    entries = model_entries(job.model)
+    whole = [(e.name, 0, piece_rows(e.shape)) for e in entries]
     plan = Plan(
         INCARNATION,
-        model_entries(job.model),
-        tuple(tuple(f.names) for f in fragment_plan.fragments),
+        entries,
+        (tuple(whole[:1]), tuple(whole[1:])),
         (3, 5),
         sync_every=2,
         overlap=overlap,
@@ -792,8 +795,9 @@ def test_every_push_holds_exactly_the_steps_and_tokens_it_reports(apply: str) ->
     bridge = Bridge()
     loop = TrainingLoop(config, job.trainer(), bridge, CPU, "m0")
     fragments = (("weight",), ("bias",))
-    plan = Plan(INCARNATION, model_entries(job.model), fragments, (0, 0), 2, 2, 1)
     shapes = {n: p.shape for n, p in job.model.named_parameters()}
+    pieces = tuple(tuple((n, 0, piece_rows(shapes[n])) for n in names) for names in fragments)
+    plan = Plan(INCARNATION, model_entries(job.model), pieces, (0, 0), 2, 2, 1)
     bridge.post_plan(plan)
     zeros = {n: torch.zeros(s) for n, s in shapes.items()}
     for fragment, names in enumerate(fragments):

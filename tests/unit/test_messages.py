@@ -29,6 +29,7 @@ from dilocod.wire.manifest import (
     TensorEntry,
     pack_manifest,
     parse_manifest,
+    piece_rows,
 )
 from dilocod.wire.messages import (
     AUTH_METHODS,
@@ -145,12 +146,18 @@ def models(draw: st.DrawFn) -> tuple[ModelEntry, ...]:
 
 @st.composite
 def plans(draw: st.DrawFn) -> Plan:
-    """A PLAN whose fragments cut a shuffled model into 1..len(model) non-empty runs."""
+    """A PLAN whose fragments cut a model's rows into pieces, shuffled into 1..pieces fragments."""
     model = draw(models())
-    names = draw(st.permutations([e.name for e in model]))
-    cuts = draw(st.sets(st.integers(1, max(1, len(names) - 1)), max_size=len(names) - 1))
-    bounds = [0, *sorted(cuts), len(names)]
-    fragments = tuple(tuple(names[a:b]) for a, b in itertools.pairwise(bounds))
+    pieces: list[tuple[str, int, int]] = []
+    for entry in model:
+        rows = piece_rows(entry.shape)
+        cuts = draw(st.sets(st.integers(1, max(1, rows - 1)), max_size=rows - 1))
+        bounds = [0, *sorted(cuts), rows]
+        pieces += [(entry.name, a, b) for a, b in itertools.pairwise(bounds)]
+    pieces = draw(st.permutations(pieces))
+    cuts = draw(st.sets(st.integers(1, max(1, len(pieces) - 1)), max_size=len(pieces) - 1))
+    bounds = [0, *sorted(cuts), len(pieces)]
+    fragments = tuple(tuple(pieces[a:b]) for a, b in itertools.pairwise(bounds))
     return Plan(
         draw(text(MAX_INCARNATION_BYTES)),
         model,
@@ -270,7 +277,7 @@ def body(message: Message, **changes: object) -> bytes:
 
 HELLO = Hello(1, 1, "control", "learner", "a", bytes(NONCE_BYTES))
 JOIN = Join((ModelEntry("w", "float32", (8,)), ModelEntry("b", "bfloat16", ())), "inc-0")
-PLAN = Plan("inc-1", JOIN.model, (("w",), ("b",)), (3, 4), 24, 2, 1)
+PLAN = Plan("inc-1", JOIN.model, ((("w", 0, 8),), (("b", 0, 1),)), (3, 4), 24, 2, 1)
 ENTRIES, RAW = pack_manifest([("w", "float32", [8])])
 PUSH = PushHeader(tuple(ENTRIES), RAW, "zstd", LIMITS.min_chunk_bytes, 1)
 
@@ -330,8 +337,16 @@ MALFORMED = [
     pytest.param(FrameType.PLAN, body(PLAN, fragments=KeyError), id="plan-without-fragments"),
     pytest.param(FrameType.PLAN, body(PLAN, fragments=[]), id="plan-no-fragments"),
     pytest.param(FrameType.PLAN, body(PLAN, fragments=["w", "b"]), id="plan-fragment-not-an-array"),
-    pytest.param(FrameType.PLAN, body(PLAN, fragments=[["w"], [b"b"]]), id="plan-bin-name"),
-    pytest.param(FrameType.PLAN, body(PLAN, fragments=[["w"], ["b" * 1025]]), id="plan-name-1025-bytes"),
+    pytest.param(FrameType.PLAN, body(PLAN, fragments=[["w"], ["b"]]), id="plan-names-not-pieces"),
+    pytest.param(FrameType.PLAN, body(PLAN, fragments=[[["w", 0, 8]], [[b"b", 0, 1]]]), id="plan-bin-name"),
+    pytest.param(
+        FrameType.PLAN, body(PLAN, fragments=[[["w", 0, 8]], [["b" * 1025, 0, 1]]]), id="plan-name-1025-bytes"
+    ),
+    pytest.param(FrameType.PLAN, body(PLAN, fragments=[[["w", 0, 8]], [["b", 0]]]), id="plan-piece-of-two"),
+    pytest.param(
+        FrameType.PLAN, body(PLAN, fragments=[[["w", 0, 8]], [["b", False, 1]]]), id="plan-bool-row"
+    ),
+    pytest.param(FrameType.PLAN, body(PLAN, fragments=[[["w", 0, 8.0]], [["b", 0, 1]]]), id="plan-float-row"),
     pytest.param(FrameType.PLAN, body(PLAN, versions=[3]), id="plan-too-few-versions"),
     pytest.param(FrameType.PLAN, body(PLAN, versions=[3, 4, 5]), id="plan-too-many-versions"),
     pytest.param(FrameType.PLAN, body(PLAN, versions=[3, -1]), id="plan-negative-version"),

@@ -228,7 +228,7 @@ def test_a_syncer_checkpoint_carrying_code_is_refused_and_the_code_never_runs(tm
 
 def _inbox() -> Inbox:
     model = (ModelEntry("a", "float32", (2, 3)), ModelEntry("b", "float32", (4,)))
-    plan = Plan("inc-1", model, (("a",), ("b",)), (3, 0), 24, 2, 1)
+    plan = Plan("inc-1", model, ((("a", 0, 2),), (("b", 0, 4),)), (3, 0), 24, 2, 1)
     updates = [
         Adopt(0, 3, bytearray(24), True, "inc-1"),
         Adopt(1, 1, bytearray(16), False, "inc-1"),

@@ -54,8 +54,44 @@ def test_load_and_state_round_trip() -> None:
     model, module = build()
     params, momentum = model.state()
     for name, tensor in module.named_parameters():
-        assert torch.equal(params[name], tensor.detach())
-        assert torch.count_nonzero(momentum[name]) == 0
+        assert torch.equal(torch.cat(params[name]), tensor.detach())
+        assert all(torch.count_nonzero(part) == 0 for part in momentum[name])
+
+
+def test_a_parameter_cut_across_fragments_loads_into_its_pieces_and_comes_back_whole() -> None:
+    model, module = build(fragments=3)
+    cut = [name for name, parts in model.state()[0].items() if len(parts) > 1]
+    assert cut, "the plan of 3 fragments cuts a parameter of Tiny"
+    name = cut[0]
+    store = next(s for s in model.fragments if any(p[0] == name and p[1] > 0 for p in s.pieces))
+    i, (_, start, stop) = next((i, p) for i, p in enumerate(store.pieces) if p[0] == name)
+    # The store's tensor is the parameter's rows, on the wire under `name[start:stop]`.
+    assert store.manifest[i].name == f"{name}[{start}:{stop}]"
+    whole = dict(module.named_parameters())[name].detach()
+    assert torch.equal(store.params[i], whole[start:stop])
+    # state() gives views of the live buffers: a write to the store shows in the pieces.
+    store.params[i].fill_(7.0)
+    store.momentum_views[i].fill_(-1.0)
+    params, momentum = model.state()
+    assert torch.equal(torch.cat(params[name])[start:stop], torch.full_like(whole[start:stop], 7.0))
+    assert torch.equal(torch.cat(params[name])[:start], whole[:start])
+    assert float(torch.cat(momentum[name])[start:stop].sum()) == -whole[start:stop].numel()
+    # load() with momentum copies each parameter's rows into its pieces.
+    new = {n: torch.randn(p.shape) for n, p in module.named_parameters()}
+    moment = {n: torch.randn(p.shape) for n, p in module.named_parameters()}
+    model.load(new, moment, versions=[1, 2, 3])
+    params, momentum = model.state()
+    for n, value in new.items():
+        assert torch.equal(torch.cat(params[n]), value) and torch.equal(torch.cat(momentum[n]), moment[n])
+    assert model.versions == [1, 2, 3]
+
+
+def test_every_piece_of_an_embedding_is_merged_as_one() -> None:
+    model, _ = build(fragments=6)
+    embed = [(s.index, i) for s in model.fragments for i, p in enumerate(s.pieces) if p[0] == "embed.weight"]
+    assert len(embed) > 1  # the embedding is cut
+    for store in model.fragments:
+        assert store.is_embedding == [p[0] == "embed.weight" for p in store.pieces]
 
 
 def test_loading_a_different_model_names_the_difference() -> None:
@@ -260,8 +296,8 @@ def test_a_merge_whose_result_is_not_finite_is_not_committed(published: bool) ->
     index = 1
     store = model.fragments[index]
     params = {n: p.detach().clone() for n, p in module.named_parameters()}
-    for entry in store.manifest:
-        params[entry.name].fill_(3e38)
+    for name, start, stop in store.pieces:
+        params[name][start:stop].fill_(3e38)
     momentum = {n: torch.full_like(p, 1e-3) for n, p in params.items()}
     model.load(params, momentum)
     if published:
@@ -299,8 +335,8 @@ def test_a_merge_of_a_momentum_that_overflows_is_not_committed() -> None:
     index = 0
     store = model.fragments[index]
     momentum = {n: torch.zeros_like(p) for n, p in module.named_parameters()}
-    for entry in store.manifest:
-        momentum[entry.name].fill_(3e38)
+    for name, start, stop in store.pieces:
+        momentum[name][start:stop].fill_(3e38)
     model.load({n: p.detach() for n, p in module.named_parameters()}, momentum)
     model.publish_all()
     before = _state(model, index)

@@ -119,7 +119,7 @@ def test_the_syncers_mismatch_message_names_the_syncer() -> None:
 
 
 def test_the_learners_mismatch_message_names_the_learner() -> None:
-    plan = Plan("inc", (ModelEntry("a", "float32", (2, 3)),), (("a",),), (0,), 24, 2, 1)
+    plan = Plan("inc", (ModelEntry("a", "float32", (2, 3)),), ((("a", 0, 2),),), (0,), 24, 2, 1)
     with pytest.raises(PlanMismatch) as mismatch:
         check_plan(plan, [ModelEntry("a", "float32", (3, 2))])
     assert " here" not in str(mismatch.value)

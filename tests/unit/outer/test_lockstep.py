@@ -21,6 +21,7 @@ from dilocod.outer import (
     quorum_clock,
     rda_merge,
 )
+from dilocod.outer.plan import Piece
 
 H = 4  # steps between two syncs of one fragment
 P = 2  # fragments: a round every H / P = 2 steps
@@ -78,24 +79,32 @@ def run_with_dilocod(fused: bool) -> tuple[dict[str, torch.Tensor], list[Learner
             next_round = opening.round_index + 1
             assert not opening.skipped  # lock-step: every round completes before the next opens
             p = opening.fragment
-            names = plan.fragments[p].names
+            pieces = plan.fragments[p].pieces  # row slices: the tensors below are views of them
             deltas = [
-                pseudo_gradient([anchors[m][n] for n in names], [learners[m].params[n] for n in names])
+                pseudo_gradient(
+                    [rows(anchors[m], piece) for piece in pieces],
+                    [rows(learners[m].params, piece) for piece in pieces],
+                )
                 for m in range(2)
             ]
             weights = merge_weights([tokens[m][p] for m in range(2)], [steps[m][p] for m in range(2)])
-            theta = [global_params[n] for n in names]
-            buffers = [momentum[n] for n in names]
+            theta = [rows(global_params, piece) for piece in pieces]
+            buffers = [rows(momentum, piece) for piece in pieces]
             if fused:
                 outer_step_(theta, buffers, deltas, weights, OUTER_LR, OUTER_MU)
             else:
                 nesterov_step_(theta, rda_merge(deltas, weights), buffers, OUTER_LR, OUTER_MU)
             for m, learner in enumerate(learners):
-                apply_update_([learner.params[n] for n in names], theta, "overwrite")
-                for n in names:
-                    anchors[m][n].copy_(global_params[n])
+                apply_update_([rows(learner.params, piece) for piece in pieces], theta, "overwrite")
+                for piece in pieces:
+                    rows(anchors[m], piece).copy_(rows(global_params, piece))
                 tokens[m][p] = steps[m][p] = 0
     return global_params, learners
+
+
+def rows(tensors: dict[str, torch.Tensor], piece: Piece) -> torch.Tensor:
+    """A piece's rows of a named tensor, as a view (of .data: writable in place)."""
+    return tensors[piece.name].data[piece.start : piece.stop]
 
 
 def reference_rda(deltas: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
@@ -107,12 +116,14 @@ def reference_rda(deltas: list[torch.Tensor], weights: list[float]) -> torch.Ten
 
 def run_reference() -> tuple[dict[str, torch.Tensor], list[Learner]]:
     model = make_model()
-    fragments = plan_module(model, P).to_lists()
+    fragments = [f.pieces for f in plan_module(model, P).fragments]
     learners = [Learner(model, m) for m in range(2)]
-    outer = {n: nn.Parameter(p.detach().clone()) for n, p in model.named_parameters()}
+    start = {n: p.detach() for n, p in model.named_parameters()}
+    # One outer tensor per piece, keyed by the piece; whole parameters are put together at the end.
+    outer = {piece: nn.Parameter(rows(start, piece).clone()) for pieces in fragments for piece in pieces}
     optimizers = [
-        torch.optim.SGD([outer[n] for n in names], lr=OUTER_LR, momentum=OUTER_MU, nesterov=True)
-        for names in fragments
+        torch.optim.SGD([outer[n] for n in pieces], lr=OUTER_LR, momentum=OUTER_MU, nesterov=True)
+        for pieces in fragments
     ]
     anchors = [{n: p.detach().clone() for n, p in outer.items()} for _ in learners]
     since_sync = [[(0, 0)] * P for _ in learners]  # (tokens, steps) per fragment
@@ -128,15 +139,19 @@ def run_reference() -> tuple[dict[str, torch.Tensor], list[Learner]]:
         weights = [w / sum(raw) for w in raw]
         with torch.no_grad():
             for n in fragments[p]:
-                deltas = [anchors[m][n] - learners[m].params[n] for m in range(2)]
+                deltas = [anchors[m][n] - rows(learners[m].params, n) for m in range(2)]
                 outer[n].grad = reference_rda(deltas, weights)
             optimizers[p].step()
             for m, learner in enumerate(learners):
                 for n in fragments[p]:
-                    learner.params[n].copy_(outer[n])
+                    rows(learner.params, n).copy_(outer[n])
                     anchors[m][n] = outer[n].detach().clone()
                 since_sync[m][p] = (0, 0)
-    return {n: p.detach() for n, p in outer.items()}, learners
+    whole = {
+        name: torch.cat([outer[piece].detach() for piece in sorted(outer) if piece.name == name])
+        for name in start
+    }
+    return whole, learners
 
 
 @pytest.mark.parametrize("fused", [False, True])

@@ -22,7 +22,7 @@ from dilocod.learner.bridge import Adopt, Bridge, Snapshot, StepReportItem
 from dilocod.learner.layout import model_entries
 from dilocod.learner.link import Link, LinkConfig
 from dilocod.ops.logging import configure_logging
-from dilocod.wire.manifest import pack_manifest
+from dilocod.wire.manifest import fragment_manifest
 from dilocod.wire.messages import FragmentRequest, Plan
 
 #: Every element of a push's outer gradient (anchor - theta): about what the scale entry's nudges
@@ -46,10 +46,7 @@ class ScriptedSide(Bridge):
         self.plan = plan
         self.versions = dict(enumerate(plan.versions))
         shapes = {e.name: e.shape for e in plan.model}
-        self.sizes = {
-            index: pack_manifest([(n, "float32", shapes[n]) for n in names])[1]
-            for index, names in enumerate(plan.fragments)
-        }
+        self.sizes = {i: fragment_manifest(pieces, shapes)[1] for i, pieces in enumerate(plan.fragments)}
 
     def post_update(self, adopt: Adopt) -> None:
         self.versions[adopt.fragment] = max(self.versions.get(adopt.fragment, 0), adopt.version)

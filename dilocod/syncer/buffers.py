@@ -28,6 +28,12 @@ Buffer = mmap.mmap | bytearray
 DEFAULT_MAX_IDLE = 4
 
 
+def zeroed(size: int) -> Buffer:
+    """A new zero-filled buffer whose pages cost memory only once written: Θ and b at start (a
+    fresh syncer's b stays unmapped until the first merge of each fragment writes it)."""
+    return mmap.mmap(-1, size) if size else bytearray()
+
+
 class BufferPool:
     """Fragment-sized buffers, kept for reuse up to max_idle idle ones across all sizes."""
 
@@ -55,7 +61,7 @@ class BufferPool:
                     return buffer
             self.created += 1
         # Outside the lock: a map is a system call, and nothing shared is touched.
-        return mmap.mmap(-1, size) if size else bytearray()
+        return zeroed(size)
 
     def give(self, buffer: Buffer) -> None:
         """Back to the pool: the caller and everyone it lent the buffer to are done with it."""

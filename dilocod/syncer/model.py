@@ -2,8 +2,8 @@
 exactly as the fragment travels on the wire, and the read-only snapshots that updates are sent from.
 
 Layout. Fragment p's pieces (row slices of parameters, outer.plan) are packed by
-wire.manifest.fragment_manifest into one buffer (the "master": a bytearray at first, a pooled one
-from its first merge on), with torch views onto it; the momentum buffer has the same layout. A push
+wire.manifest.fragment_manifest into one buffer (the "master": an anonymous map at first, a pooled
+one from its first merge on), with torch views onto it; the momentum buffer has the same layout. A push
 of fragment p must carry exactly that manifest (float32 outer gradients), so its bytes are read in
 place. A parameter cut across fragments lives in several stores; `load` and `state` translate
 between whole parameters and pieces.
@@ -58,7 +58,7 @@ from dilocod.outer.guard import (
     l2_norm,
 )
 from dilocod.precision import tensor_views
-from dilocod.syncer.buffers import Buffer, BufferPool
+from dilocod.syncer.buffers import Buffer, BufferPool, zeroed
 from dilocod.wire.manifest import ModelEntry, TensorEntry, fragment_manifest, piece_rows
 
 
@@ -131,7 +131,7 @@ class GlobalModel:
         shapes = {s.name: s.shape for s in specs}
         for fragment in plan.fragments:
             manifest, raw_bytes = fragment_manifest(fragment.pieces, shapes)
-            master, momentum = bytearray(raw_bytes), bytearray(raw_bytes)
+            master, momentum = zeroed(raw_bytes), zeroed(raw_bytes)
             self.fragments.append(
                 FragmentStore(
                     fragment.index,
@@ -176,10 +176,13 @@ class GlobalModel:
                 store.version = 0 if versions is None else versions[store.index]
                 for piece, param, buf in zip(store.pieces, store.params, store.momentum_views, strict=True):
                     param.copy_(rows(params[piece[0]], piece))
-                    if momentum is None:
-                        buf.zero_()
-                    else:
+                    if momentum is not None:
                         buf.copy_(rows(momentum[piece[0]], piece))
+                    elif bool(buf.any()):
+                        # Fresh buffers are zero already, and left untouched: their pages are
+                        # only mapped when the first merge writes b_p, so a syncer that starts
+                        # from its entry peaks at its entry's model plus Θ, not plus Θ and b.
+                        buf.zero_()
                 store.norm = l2_norm(store.params)
 
     @property

@@ -20,8 +20,19 @@ blocking and read only if they are regular files). The files need no dilocod to 
 plus JSON.
 
 Tensor files are written here in the documented safetensors format (8-byte little-endian header
-length, JSON header padded to 8 bytes, tensors packed back to back), straight from each tensor's
-memory, hashed on the way. They are read only through safetensors, never through pickle.
+length, JSON header padded to 8 bytes, tensors packed back to back). The layout follows from the
+names, dtypes and shapes alone, so both files are sized up front and filled piece by piece with
+pwrite at computed offsets: a piece is a byte range of one tensor (a whole tensor, or the rows of
+it that one fragment holds). Once every piece is in, the files are fsync'd and then hashed (read
+back, both at once). They are read only through safetensors, never through pickle.
+
+The syncer writes fragment by fragment (`save_fragments`): a caller-given `capture` copies one
+fragment's Θ_p and b_p into a staging buffer and says which version they are, where no merge of
+that fragment can run at the same time (the syncer's merge worker); the disk writes happen after,
+from the staging buffer, while merges go on. So each fragment's Θ_p, b_p and recorded version
+agree, and different fragments may be at versions of different moments (as they are at any
+moment anyway: fragments merge independently). `save_checkpoint` writes a SyncerState whose
+tensors do not change while it runs, each tensor as one piece straight from its memory.
 
 Plain blocking file I/O; the daemon runs it in a worker thread. Must not import networking or
 logging: skipped checkpoints are returned to the caller, who logs them.
@@ -32,6 +43,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import math
 import os
 import re
 import secrets
@@ -39,10 +51,11 @@ import shutil
 import struct
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -101,6 +114,32 @@ class SyncerState:
     momentum: dict[str, torch.Tensor]
     versions: list[int]
     meta: dict[str, Any]
+
+
+class TensorPiece(NamedTuple):
+    """Bytes [tensor_offset, tensor_offset + nbytes) of the tensor `name`'s data (C order: a range of
+    rows along dim 0 is one such range), found at source_offset in a fragment's buffer."""
+
+    name: str
+    tensor_offset: int
+    source_offset: int
+    nbytes: int
+
+
+#: capture(fragment, params_out, momentum_out) -> version: copy the fragment's Θ and b bytes (its
+#: buffer layout, the one its pieces' source_offset refer to) into the two buffers, with no merge of
+#: that fragment under way, and return the version they hold. Called once per fragment, in order.
+Capture = Callable[[int, memoryview, memoryview], int]
+
+
+@dataclass(frozen=True, slots=True)
+class FragmentedModel:
+    """What `save_fragments` needs to know up front: every tensor's shape (Θ and b both float32,
+    in this order: the param_names of state.json), and per fragment its size in bytes and pieces."""
+
+    shapes: dict[str, tuple[int, ...]]
+    fragment_bytes: tuple[int, ...]
+    pieces: tuple[tuple[TensorPiece, ...], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,16 +206,82 @@ def save_checkpoint(state_dir: Path, state: SyncerState, *, keep: int = DEFAULT_
     Raises ValueError for an inconsistent state (nothing is written), OSError when writing fails
     (nothing that looks complete is left), CheckpointPruneError when only the clean-up failed.
     """
-    if keep < 1:
-        raise ValueError(f"keep must be at least 1, got {keep}")
+    _check_keep(keep)
+    _check_state(state)
+    meta_json = _meta_json(state.meta)
+    model = _FileLayout.of({n: (t.dtype, tuple(t.shape)) for n, t in state.params.items()})
+    momentum = _FileLayout.of({n: (t.dtype, tuple(t.shape)) for n, t in state.momentum.items()})
+
+    def write(model_fd: int, momentum_fd: int) -> list[int]:
+        for layout, fd, tensors in ((model, model_fd, state.params), (momentum, momentum_fd, state.momentum)):
+            for name, tensor in tensors.items():
+                # A tensor that is not a contiguous CPU tensor is copied alone just before it is
+                # written, so at most one tensor's copy exists at a time.
+                packed = tensor.detach().to("cpu").contiguous()
+                if packed.numel() * packed.element_size() != layout.sizes[name]:
+                    raise CheckpointError(f"{name!r}: the tensors changed while they were being saved")
+                if packed.numel():
+                    _pwrite_all(fd, _bytes_of(packed), layout.data_start + layout.offsets[name])
+                del packed
+        return list(state.versions)
+
+    return _save(state_dir, list(state.params), model, momentum, write, meta_json, keep)
+
+
+def save_fragments(
+    state_dir: Path,
+    model: FragmentedModel,
+    capture: Capture,
+    meta: dict[str, Any],
+    *,
+    keep: int = DEFAULT_KEEP,
+) -> Path:
+    """Write a checkpoint of a model held as fragments, one fragment at a time (see the module
+    docstring): capture(p, ...) copies fragment p into a staging buffer, then its pieces are
+    written at their offsets in both files; versions[p] is what capture returned. Same files, same
+    guarantees and the same errors as save_checkpoint; memory: two buffers of the largest fragment.
+    """
+    _check_keep(keep)
+    _check_fragmented(model)
+    meta_json = _meta_json(meta)
+    layout = _FileLayout.of({name: (torch.float32, shape) for name, shape in model.shapes.items()})
+
+    def write(model_fd: int, momentum_fd: int) -> list[int]:
+        largest = max(model.fragment_bytes, default=0)
+        staging = [bytearray(largest), bytearray(largest)]
+        for buffer in staging:  # fault the pages in here, not inside the first capture
+            if largest:
+                torch.frombuffer(buffer, dtype=torch.uint8).fill_(0)
+        params, momentum = (memoryview(b) for b in staging)
+        versions = []
+        for index, (size, pieces) in enumerate(zip(model.fragment_bytes, model.pieces, strict=True)):
+            version = capture(index, params[:size], momentum[:size])
+            if type(version) is not int or version < 0:
+                raise ValueError(f"capture gave fragment {index} the version {version!r}")
+            versions.append(version)
+            for piece in pieces:
+                at = layout.data_start + layout.offsets[piece.name] + piece.tensor_offset
+                source = slice(piece.source_offset, piece.source_offset + piece.nbytes)
+                _pwrite_all(model_fd, params[source], at)
+                _pwrite_all(momentum_fd, momentum[source], at)
+        return versions
+
+    return _save(state_dir, list(model.shapes), layout, layout, write, meta_json, keep)
+
+
+def _save(
+    state_dir: Path,
+    names: list[str],
+    model: _FileLayout,
+    momentum: _FileLayout,
+    write: Callable[[int, int], list[int]],
+    meta_json: str,
+    keep: int,
+) -> Path:
+    """The steps every save shares: a temporary directory, both tensor files sized and headed,
+    write() to fill them (returning the versions), fsync, digests, state.json, rename, prune."""
     if sys.byteorder != "little":
         raise CheckpointError("safetensors files are little-endian; this host is big-endian")
-    _check_state(state)
-    try:
-        meta_json = json.dumps(state.meta, allow_nan=False)  # fails here, before anything is written
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"meta is not JSON-serialisable: {exc}") from exc
-
     root = Path(state_dir) / CHECKPOINTS_DIR
     _make_dirs(root)
     sequence = max((seq for seq, _ in _final_dirs(root)), default=0) + 1
@@ -185,15 +290,27 @@ def save_checkpoint(state_dir: Path, state: SyncerState, *, keep: int = DEFAULT_
     final = root / name
     temp.mkdir()
     try:
-        model_record = _write_tensor_file(temp / MODEL_FILE, state.params)
-        momentum_record = _write_tensor_file(temp / MOMENTUM_FILE, state.momentum)
+        model_fd = _create_tensor_file(temp / MODEL_FILE, model)
+        try:
+            momentum_fd = _create_tensor_file(temp / MOMENTUM_FILE, momentum)
+            try:
+                versions = write(model_fd, momentum_fd)
+                _check_versions(versions)
+                for fd in (model_fd, momentum_fd):
+                    os.fsync(fd)
+            finally:
+                os.close(momentum_fd)
+        finally:
+            os.close(model_fd)
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="dilocod-digest") as pool:
+            model_record, momentum_record = pool.map(_file_record, (temp / MODEL_FILE, temp / MOMENTUM_FILE))
         document = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "sequence": sequence,
             "saved_at_unix_s": time.time(),
-            "param_names": list(state.params),
-            "versions": list(state.versions),
+            "param_names": names,
+            "versions": versions,
             "meta": json.loads(meta_json),
             "files": {MODEL_FILE: model_record, MOMENTUM_FILE: momentum_record},
         }
@@ -282,51 +399,108 @@ def _check_versions(versions: object) -> None:
             raise ValueError(f"version of fragment {index} must be a non-negative int, got {version!r}")
 
 
-def _write_tensor_file(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """Write tensors as a safetensors file, fsync it, return its size and SHA-256.
+def _check_keep(keep: int) -> None:
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, got {keep}")
 
-    Bytes go from each tensor's memory to the file; a tensor that is not a contiguous CPU tensor
-    is copied alone just before it is written, so at most one tensor's copy exists at a time.
-    Tensors sharing memory (tied weights, views of one buffer) are simply written twice.
-    """
-    order = sorted(tensors, key=lambda n: (-_DTYPE_RANKS[tensors[n].dtype], n))
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name in order:
-        tensor = tensors[name]
-        nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {
-            "dtype": _DTYPE_NAMES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    head += b" " * (-len(head) % _HEADER_ALIGNMENT)
-    digest = hashlib.sha256()
-    with open(path, "xb") as f:
-        for prefix in (_HEADER_LENGTH.pack(len(head)), head):
-            digest.update(prefix)
-            f.write(prefix)
+
+def _meta_json(meta: object) -> str:
+    if not isinstance(meta, dict):
+        raise ValueError(f"meta must be a dict, got {type(meta).__name__}")
+    try:
+        return json.dumps(meta, allow_nan=False)  # fails here, before anything is written
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"meta is not JSON-serialisable: {exc}") from exc
+
+
+def _check_fragmented(model: FragmentedModel) -> None:
+    """Every byte of every tensor is in exactly one piece, every piece inside its fragment."""
+    for name, shape in model.shapes.items():
+        if not isinstance(name, str) or name == "__metadata__" or not name.isprintable():
+            raise ValueError(f"parameter name {name!r} cannot be stored")
+        if any(type(d) is not int or d < 0 for d in shape):
+            raise ValueError(f"parameter {name!r} has shape {shape!r}")
+    if len(model.fragment_bytes) != len(model.pieces):
+        raise ValueError(f"{len(model.fragment_bytes)} fragment sizes for {len(model.pieces)} fragments")
+    covered: dict[str, list[tuple[int, int]]] = {name: [] for name in model.shapes}
+    for index, (size, pieces) in enumerate(zip(model.fragment_bytes, model.pieces, strict=True)):
+        for piece in pieces:
+            if piece.name not in covered:
+                raise ValueError(f"fragment {index} holds {piece.name!r}, which is not in the model")
+            if piece.nbytes < 0 or piece.source_offset < 0 or piece.source_offset + piece.nbytes > size:
+                raise ValueError(f"fragment {index}: piece {piece} lies outside its {size} bytes")
+            covered[piece.name].append((piece.tensor_offset, piece.tensor_offset + piece.nbytes))
+    for name, ranges in covered.items():
+        expected, at = math.prod(model.shapes[name]) * 4, 0
+        for start, stop in sorted(ranges):
+            if start != at:
+                raise ValueError(f"the pieces of {name!r} do not cover its bytes once each (at byte {at})")
+            at = stop
+        if at != expected:
+            raise ValueError(f"the pieces of {name!r} cover {at} of its {expected} bytes")
+
+
+@dataclass(frozen=True, slots=True)
+class _FileLayout:
+    """Where everything goes in one safetensors file: its header and each tensor's data offset."""
+
+    head: bytes
+    offsets: dict[str, int]
+    sizes: dict[str, int]
+    total_bytes: int
+
+    @property
+    def data_start(self) -> int:
+        return _HEADER_LENGTH.size + len(self.head)
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> _FileLayout:
+        order = sorted(tensors, key=lambda n: (-_DTYPE_RANKS[tensors[n][0]], n))
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offsets: dict[str, int] = {}
+        sizes: dict[str, int] = {}
+        offset = 0
         for name in order:
-            tensor = tensors[name]
-            packed = tensor.detach().to("cpu").contiguous()
-            if packed.numel():
-                view = _bytes_of(packed)
-                # In slices: one write() of several GB may come back short on some systems.
-                for start in range(0, len(view), _WRITE_SLICE_BYTES):
-                    piece = view[start : start + _WRITE_SLICE_BYTES]
-                    digest.update(piece)
-                    f.write(piece)
-                del view, piece
-            del packed
-        f.flush()
-        os.fsync(f.fileno())
-        size = f.tell()
-    if size != _HEADER_LENGTH.size + len(head) + offset:
-        # A tensor was swapped for another while we wrote: the file would not parse.
-        raise CheckpointError(f"{path.name}: the tensors changed while they were being saved")
-    return {"bytes": size, "sha256": digest.hexdigest()}
+            dtype, shape = tensors[name]
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            header[name] = {
+                "dtype": _DTYPE_NAMES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            offsets[name], sizes[name] = offset, nbytes
+            offset += nbytes
+        head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        head += b" " * (-len(head) % _HEADER_ALIGNMENT)
+        return cls(head, offsets, sizes, _HEADER_LENGTH.size + len(head) + offset)
+
+
+def _create_tensor_file(path: Path, layout: _FileLayout) -> int:
+    """A new file of the layout's full size with its header written; the data is filled in later."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        os.ftruncate(fd, layout.total_bytes)
+        _pwrite_all(fd, memoryview(_HEADER_LENGTH.pack(len(layout.head)) + layout.head), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """pwrite all of data at offset, in slices: one write of several GB may come back short."""
+    data = data.cast("B") if data.format != "B" else data
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done : done + _WRITE_SLICE_BYTES], offset + done)
+
+
+def _file_record(path: Path) -> dict[str, Any]:
+    """Size and SHA-256 of a written file (hashlib releases the GIL: both files hash at once)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    return {"bytes": size, "sha256": digest}
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:

@@ -41,6 +41,7 @@ from dilocod.outer.guard import (
     l2_norm,
 )
 from dilocod.precision import tensor_views
+from dilocod.syncer.checkpoint import TensorPiece
 from dilocod.wire.codecs import chunk_checksums
 from dilocod.wire.manifest import ModelEntry, TensorEntry, pack_manifest
 
@@ -171,6 +172,19 @@ class GlobalModel:
                 params[entry.name] = param
                 momentum[entry.name] = buf
         return params, momentum
+
+    def checkpoint_pieces(self, index: int) -> tuple[TensorPiece, ...]:
+        """Where fragment index's bytes belong in a checkpoint: per tensor, the byte range of the
+        tensor's data it holds and where that sits in the master (any thread: it never changes)."""
+        return tuple(TensorPiece(e.name, 0, e.offset, e.nbytes) for e in self.fragments[index].manifest)
+
+    def capture(self, index: int, params: memoryview, momentum: memoryview) -> int:
+        """Copy Θ_p and b_p (master layout) into params and momentum and return the version they
+        hold: one consistent fragment for a checkpoint (run in the merge worker, between merges)."""
+        store = self.fragments[index]
+        _copy_bytes(store.master, params)
+        _copy_bytes(store.momentum, momentum)
+        return store.version
 
     def publish_all(self) -> None:
         """Snapshot every fragment at its version (at start, before any learner is served)."""
@@ -303,7 +317,7 @@ class GlobalModel:
         return Snapshot(version, target, chunk_checksums(target, self.chunk_bytes))
 
 
-def _copy_bytes(source: bytearray, target: bytearray) -> None:
+def _copy_bytes(source: bytearray, target: bytearray | memoryview) -> None:
     if source:
         torch.frombuffer(target, dtype=torch.uint8).copy_(torch.frombuffer(source, dtype=torch.uint8))
 

@@ -2,8 +2,9 @@
 
 It owns the I/O and nothing else: per learner, one session (JOIN, then PLAN and every fragment to
 heal it, then step reports and pushes in, requests and updates out); one merge worker thread that
-screens pushes, merges rounds and takes checkpoints one at a time (so a checkpoint always sees a
-fragment between merges); a ticker that wakes the state machine at its grace deadlines. Decisions
+merges rounds and copies fragments out for checkpoints one at a time (so a checkpoint always sees
+a fragment between merges), and a checkpoint thread that writes them meanwhile; a ticker that
+wakes the state machine at its grace deadlines. Decisions
 are Rounds'; numbers are GlobalModel's. A learner may vanish at any point: it is simply absent
 from the rounds, and whatever it had in flight is released.
 """
@@ -29,7 +30,7 @@ from dilocod.config import SyncerConfig
 from dilocod.ops.priority import lower_this_thread
 from dilocod.outer.guard import Verdict
 from dilocod.precision import PRECISIONS, decode, precision_of, push_layout
-from dilocod.syncer.checkpoint import CheckpointPruneError, SyncerState, save_checkpoint
+from dilocod.syncer.checkpoint import CheckpointPruneError, FragmentedModel, save_fragments
 from dilocod.syncer.model import GlobalModel, MergeRejected, Snapshot, first_mismatch
 from dilocod.syncer.rounds import Action, Merge, Push, Refusal, Release, Request, Rounds
 from dilocod.syncer.steprate import StepRates
@@ -59,6 +60,9 @@ log = structlog.get_logger("dilocod.syncer")
 JOIN_TIMEOUT_S = 30.0
 #: An update that fails this many times in a row is given up until the next version.
 UPDATE_ATTEMPTS = 3
+#: Updates in flight to one learner at once (see _send_updates): two keep the link busy while the
+#: learner acknowledges; more only queue chunks behind each other.
+UPDATES_IN_FLIGHT = 2
 #: The event loop's lag is sampled this often; the last LAG_SAMPLES make the status figures.
 LAG_INTERVAL_S = 0.05
 LAG_SAMPLES = 1200
@@ -163,6 +167,11 @@ class SyncerService:
         self._screener = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="dilocod-screen", initializer=lower_this_thread
         )
+        # Checkpoints are written here, fragment by fragment, each fragment copied out in the merge
+        # worker (checkpoint()): merges go on while the disk works.
+        self._checkpointer = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="dilocod-checkpoint", initializer=lower_this_thread
+        )
         self._tasks: asyncio.TaskGroup | None = None
         self._ticker_wake = asyncio.Event()
         self._merges: set[asyncio.Task[None]] = set()
@@ -222,11 +231,15 @@ class SyncerService:
                     self.final_checkpoint_problem = self.checkpoint_problem
                 await server.close("syncer shutting down")
         finally:
+            # The checkpointer first: a checkpoint under way still needs the merge worker.
+            self._checkpointer.shutdown(wait=True, cancel_futures=True)
             self._screener.shutdown(wait=True, cancel_futures=True)
             self._executor.shutdown(wait=True, cancel_futures=True)
 
     async def checkpoint(self) -> Path:
-        """Write a checkpoint now (in the merge worker, between merges). A failure is counted,
+        """Write a checkpoint now: in the checkpoint thread, fragment by fragment, each fragment's
+        Θ_p, b_p and version copied out together in the merge worker between two merges of it,
+        so rounds go on while it is written (checkpoint.save_fragments). A failure is counted,
         logged with its reason and raised; nothing of it is left on disk, so the previous
         checkpoint stays the newest. Old checkpoints that cannot be removed are only logged."""
         now = self.clock()
@@ -252,12 +265,23 @@ class SyncerService:
             },
         }
 
-        def save() -> Path:
-            params, momentum = self.model.state()
-            return save_checkpoint(self.state_dir, SyncerState(params, momentum, self.model.versions, meta))
+        model = self.model
+        layout = FragmentedModel(
+            {name: model.specs[name].shape for name in model.order},
+            tuple(store.raw_bytes for store in model.fragments),
+            tuple(model.checkpoint_pieces(store.index) for store in model.fragments),
+        )
 
+        def capture(index: int, params: memoryview, momentum: memoryview) -> int:
+            # One fragment's copy, in the merge worker: queued behind a merge under way, it holds
+            # up the merges behind it for a memcpy of Θ_p and b_p, never for the disk.
+            return self._executor.submit(model.capture, index, params, momentum).result()
+
+        started = self.clock()
         try:
-            path = await asyncio.get_running_loop().run_in_executor(self._executor, save)
+            path = await asyncio.get_running_loop().run_in_executor(
+                self._checkpointer, partial(save_fragments, self.state_dir, layout, capture, meta)
+            )
         except CheckpointPruneError as exc:  # written and durable; the disk will fill up
             path = exc.saved
             log.error("old checkpoints not removed", path=str(path), error=str(exc.__cause__))
@@ -274,7 +298,12 @@ class SyncerService:
         self.checkpoints_written += 1
         self.last_checkpoint = path
         self.checkpoints_failed, self.checkpoint_problem = 0, None
-        log.info("checkpoint", path=str(path), versions=sum(self.model.versions))
+        log.info(
+            "checkpoint",
+            path=str(path),
+            versions=sum(self.model.versions),
+            started_s_ago=round(self.clock() - started, 3),
+        )
         return path
 
     def _forget_gone(self, now: float) -> None:
@@ -743,45 +772,77 @@ class SyncerService:
 
     async def _send_updates(self, peer: _Peer) -> None:
         """Send this learner the newest snapshot of every fragment it lacks, the longest waiting
-        first; an update superseded while queued goes out once, at its newest version."""
+        first; an update superseded while queued goes out once, at its newest version.
+
+        Up to UPDATES_IN_FLIGHT go out at once (never two of one fragment): the next fragment's
+        chunks are on the wire while the learner verifies and acknowledges the one before, so a
+        heal (every fragment in a row) never leaves the link idle between two fragments. The
+        first heal is logged once, with its duration and rate."""
         failures: dict[int, int] = defaultdict(int)
-        while True:
-            if not peer.pending:
-                peer.healed.set()
-                peer.wake.clear()
-                await peer.wake.wait()
-                continue
-            index = next(iter(peer.pending))
-            del peer.pending[index]
-            store = self.model.fragments[index]
-            snapshot = self.model.acquire(index)
-            try:
+        in_flight: set[int] = set()
+        heal_started, heal_bytes = self.clock(), 0
+        async with asyncio.TaskGroup() as sends:
+            while True:
+                index = next((i for i in peer.pending if i not in in_flight), None)
+                if index is None or len(in_flight) >= UPDATES_IN_FLIGHT:
+                    if not peer.pending and not in_flight and not peer.healed.is_set():
+                        seconds = max(self.clock() - heal_started, 1e-9)
+                        log.info(
+                            "learner healed",
+                            learner=peer.learner,
+                            fragments=len(self.model.fragments),
+                            bytes=heal_bytes,
+                            duration_s=round(seconds, 3),
+                            gbit_s=round(heal_bytes * 8 / seconds / 1e9, 3),
+                        )
+                        peer.healed.set()
+                    peer.wake.clear()
+                    await peer.wake.wait()
+                    continue
+                del peer.pending[index]
+                snapshot = self.model.acquire(index)
                 if peer.sent.get(index) == snapshot.version:
+                    self.model.release(index, snapshot)
                     self.rounds.update_done(peer.learner, index, snapshot.version, self.clock())
                     continue
-                header = UpdateHeader(
-                    store.manifest,
-                    store.raw_bytes,
-                    self.config.codec,
-                    self.config.chunk,
-                    fragment=index,
-                    version=snapshot.version,
+                in_flight.add(index)
+                if not peer.healed.is_set():
+                    heal_bytes += self.model.fragments[index].raw_bytes
+                sends.create_task(
+                    self._send_update(peer, index, snapshot, failures, in_flight), name=f"update {index}"
                 )
-                await peer.session.send_fragment(header, snapshot.buffer, checksums=snapshot.checksums)
-                peer.sent[index] = snapshot.version
-                self.bytes_out += store.raw_bytes
-                failures.pop(index, None)
-                # Acknowledged: the end of this learner's part of the round's sync time (ξ_sync).
+
+    async def _send_update(
+        self, peer: _Peer, index: int, snapshot: Snapshot, failures: dict[int, int], in_flight: set[int]
+    ) -> None:
+        """One update of _send_updates; the snapshot is released and the sender woken at the end."""
+        store = self.model.fragments[index]
+        try:
+            header = UpdateHeader(
+                store.manifest,
+                store.raw_bytes,
+                self.config.codec,
+                self.config.chunk,
+                fragment=index,
+                version=snapshot.version,
+            )
+            await peer.session.send_fragment(header, snapshot.buffer, checksums=snapshot.checksums)
+            peer.sent[index] = snapshot.version
+            self.bytes_out += store.raw_bytes
+            failures.pop(index, None)
+            # Acknowledged: the end of this learner's part of the round's sync time (ξ_sync).
+            self.rounds.update_done(peer.learner, index, snapshot.version, self.clock())
+        except TransferFailed as exc:
+            failures[index] += 1
+            log.warning("update failed", learner=peer.learner, fragment=index, error=str(exc))
+            if failures[index] < UPDATE_ATTEMPTS:
+                peer.pending.setdefault(index, None)
+            else:  # given up until the next version: the round no longer waits on this send
                 self.rounds.update_done(peer.learner, index, snapshot.version, self.clock())
-            except TransferFailed as exc:
-                failures[index] += 1
-                log.warning("update failed", learner=peer.learner, fragment=index, error=str(exc))
-                if failures[index] < UPDATE_ATTEMPTS:
-                    peer.pending.setdefault(index, None)
-                else:  # given up until the next version: the round no longer waits on this send
-                    self.rounds.update_done(peer.learner, index, snapshot.version, self.clock())
-            finally:
-                self.model.release(index, snapshot)
+        finally:
+            self.model.release(index, snapshot)
+            in_flight.discard(index)
+            peer.wake.set()
 
     # ------------------------------------------------------------------ status
 

@@ -60,9 +60,6 @@ log = structlog.get_logger("dilocod.syncer")
 JOIN_TIMEOUT_S = 30.0
 #: An update that fails this many times in a row is given up until the next version.
 UPDATE_ATTEMPTS = 3
-#: Updates in flight to one learner at once (see _send_updates): two keep the link busy while the
-#: learner acknowledges; more only queue chunks behind each other.
-UPDATES_IN_FLIGHT = 2
 #: The event loop's lag is sampled this often; the last LAG_SAMPLES make the status figures.
 LAG_INTERVAL_S = 0.05
 LAG_SAMPLES = 1200
@@ -302,7 +299,7 @@ class SyncerService:
             "checkpoint",
             path=str(path),
             versions=sum(self.model.versions),
-            started_s_ago=round(self.clock() - started, 3),
+            duration_s=round(self.clock() - started, 3),
         )
         return path
 
@@ -772,77 +769,62 @@ class SyncerService:
 
     async def _send_updates(self, peer: _Peer) -> None:
         """Send this learner the newest snapshot of every fragment it lacks, the longest waiting
-        first; an update superseded while queued goes out once, at its newest version.
-
-        Up to UPDATES_IN_FLIGHT go out at once (never two of one fragment): the next fragment's
-        chunks are on the wire while the learner verifies and acknowledges the one before, so a
-        heal (every fragment in a row) never leaves the link idle between two fragments. The
-        first heal is logged once, with its duration and rate."""
+        first; an update superseded while queued goes out once, at its newest version. One at a
+        time: on loopback the receiver is the bottleneck, and two updates in flight (even the
+        next one started only once the previous one's chunks were all written) made a heal
+        slower (bench/notes/checkpoint-and-heal.md). The first heal is logged once, with its
+        duration and rate."""
         failures: dict[int, int] = defaultdict(int)
-        in_flight: set[int] = set()
         heal_started, heal_bytes = self.clock(), 0
-        async with asyncio.TaskGroup() as sends:
-            while True:
-                index = next((i for i in peer.pending if i not in in_flight), None)
-                if index is None or len(in_flight) >= UPDATES_IN_FLIGHT:
-                    if not peer.pending and not in_flight and not peer.healed.is_set():
-                        seconds = max(self.clock() - heal_started, 1e-9)
-                        log.info(
-                            "learner healed",
-                            learner=peer.learner,
-                            fragments=len(self.model.fragments),
-                            bytes=heal_bytes,
-                            duration_s=round(seconds, 3),
-                            gbit_s=round(heal_bytes * 8 / seconds / 1e9, 3),
-                        )
-                        peer.healed.set()
-                    peer.wake.clear()
-                    await peer.wake.wait()
-                    continue
-                del peer.pending[index]
-                snapshot = self.model.acquire(index)
+        while True:
+            if not peer.pending:
+                if not peer.healed.is_set():
+                    seconds = max(self.clock() - heal_started, 1e-9)
+                    log.info(
+                        "learner healed",
+                        learner=peer.learner,
+                        fragments=len(self.model.fragments),
+                        bytes=heal_bytes,
+                        duration_s=round(seconds, 3),
+                        gbit_s=round(heal_bytes * 8 / seconds / 1e9, 3),
+                    )
+                peer.healed.set()
+                peer.wake.clear()
+                await peer.wake.wait()
+                continue
+            index = next(iter(peer.pending))
+            del peer.pending[index]
+            store = self.model.fragments[index]
+            snapshot = self.model.acquire(index)
+            try:
                 if peer.sent.get(index) == snapshot.version:
-                    self.model.release(index, snapshot)
                     self.rounds.update_done(peer.learner, index, snapshot.version, self.clock())
                     continue
-                in_flight.add(index)
-                if not peer.healed.is_set():
-                    heal_bytes += self.model.fragments[index].raw_bytes
-                sends.create_task(
-                    self._send_update(peer, index, snapshot, failures, in_flight), name=f"update {index}"
+                header = UpdateHeader(
+                    store.manifest,
+                    store.raw_bytes,
+                    self.config.codec,
+                    self.config.chunk,
+                    fragment=index,
+                    version=snapshot.version,
                 )
-
-    async def _send_update(
-        self, peer: _Peer, index: int, snapshot: Snapshot, failures: dict[int, int], in_flight: set[int]
-    ) -> None:
-        """One update of _send_updates; the snapshot is released and the sender woken at the end."""
-        store = self.model.fragments[index]
-        try:
-            header = UpdateHeader(
-                store.manifest,
-                store.raw_bytes,
-                self.config.codec,
-                self.config.chunk,
-                fragment=index,
-                version=snapshot.version,
-            )
-            await peer.session.send_fragment(header, snapshot.buffer, checksums=snapshot.checksums)
-            peer.sent[index] = snapshot.version
-            self.bytes_out += store.raw_bytes
-            failures.pop(index, None)
-            # Acknowledged: the end of this learner's part of the round's sync time (ξ_sync).
-            self.rounds.update_done(peer.learner, index, snapshot.version, self.clock())
-        except TransferFailed as exc:
-            failures[index] += 1
-            log.warning("update failed", learner=peer.learner, fragment=index, error=str(exc))
-            if failures[index] < UPDATE_ATTEMPTS:
-                peer.pending.setdefault(index, None)
-            else:  # given up until the next version: the round no longer waits on this send
+                await peer.session.send_fragment(header, snapshot.buffer, checksums=snapshot.checksums)
+                peer.sent[index] = snapshot.version
+                self.bytes_out += store.raw_bytes
+                if not peer.healed.is_set():
+                    heal_bytes += store.raw_bytes
+                failures.pop(index, None)
+                # Acknowledged: the end of this learner's part of the round's sync time (ξ_sync).
                 self.rounds.update_done(peer.learner, index, snapshot.version, self.clock())
-        finally:
-            self.model.release(index, snapshot)
-            in_flight.discard(index)
-            peer.wake.set()
+            except TransferFailed as exc:
+                failures[index] += 1
+                log.warning("update failed", learner=peer.learner, fragment=index, error=str(exc))
+                if failures[index] < UPDATE_ATTEMPTS:
+                    peer.pending.setdefault(index, None)
+                else:  # given up until the next version: the round no longer waits on this send
+                    self.rounds.update_done(peer.learner, index, snapshot.version, self.clock())
+            finally:
+                self.model.release(index, snapshot)
 
     # ------------------------------------------------------------------ status
 

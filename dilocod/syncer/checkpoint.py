@@ -60,6 +60,7 @@ from typing import Any, NamedTuple
 import torch
 from safetensors import SafetensorError, safe_open
 
+from dilocod.ops.priority import lower_this_thread
 from dilocod.ops.statedir import fsync_dir, open_regular, read_regular
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -302,7 +303,10 @@ def _save(
                 os.close(momentum_fd)
         finally:
             os.close(model_fd)
-        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="dilocod-digest") as pool:
+        # Below the event loop's priority, like the thread that calls this (ops/priority.py).
+        with ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="dilocod-digest", initializer=lower_this_thread
+        ) as pool:
             model_record, momentum_record = pool.map(_file_record, (temp / MODEL_FILE, temp / MOMENTUM_FILE))
         document = {
             "format": FORMAT,

@@ -20,11 +20,19 @@ blocking and read only if they are regular files). The files need no dilocod to 
 plus JSON.
 
 Tensor files are written here in the documented safetensors format (8-byte little-endian header
-length, JSON header padded to 8 bytes, tensors packed back to back), straight from each tensor's
-memory, hashed on the way. A tensor to save may be given as its row pieces (the syncer holds a
-parameter cut across fragments in several buffers): the file holds their concatenation along dim 0,
-written piece by piece, never assembled in memory. They are read only through safetensors, never
-through pickle.
+length, JSON header padded to 8 bytes, tensors packed back to back). The layout follows from the
+names, dtypes and shapes alone, so both files are sized up front and filled piece by piece with
+pwrite at computed offsets: a piece is a byte range of one tensor (a whole tensor, or the rows of
+it that one fragment holds). Once every piece is in, the files are fsync'd and then hashed (read
+back, both at once). They are read only through safetensors, never through pickle.
+
+The syncer writes fragment by fragment (`save_fragments`): a caller-given `capture` copies one
+fragment's Θ_p and b_p into a staging buffer and says which version they are, where no merge of
+that fragment can run at the same time (the syncer's merge worker); the disk writes happen after,
+from the staging buffer, while merges go on. So each fragment's Θ_p, b_p and recorded version
+agree, and different fragments may be at versions of different moments (as they are at any
+moment anyway: fragments merge independently). `save_checkpoint` writes a SyncerState whose
+tensors do not change while it runs, each tensor as one piece straight from its memory.
 
 Plain blocking file I/O; the daemon runs it in a worker thread. Must not import networking or
 logging: skipped checkpoints are returned to the caller, who logs them.
@@ -35,6 +43,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import math
 import os
 import re
 import secrets
@@ -42,14 +51,16 @@ import shutil
 import struct
 import sys
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from dilocod.ops.priority import lower_this_thread
 from dilocod.ops.statedir import fsync_dir, open_regular, read_regular
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -95,38 +106,41 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {
 _DTYPE_RANKS = {dtype: rank for rank, dtype in enumerate(_DTYPE_NAMES)}
 
 
-#: A tensor to save: the tensor, or its row pieces in order (their concatenation along dim 0).
-Saved = torch.Tensor | Sequence[torch.Tensor]
-
-
 @dataclass
 class SyncerState:
     """What a checkpoint holds. params and momentum have the same names and shapes; the order of
-    params is kept across a save and load (other code may rely on named_parameters order). A save
-    takes each tensor whole or as its row pieces (Saved); a load always gives whole tensors."""
+    params is kept across a save and load (other code may rely on named_parameters order)."""
 
-    params: dict[str, Any]
-    momentum: dict[str, Any]
+    params: dict[str, torch.Tensor]
+    momentum: dict[str, torch.Tensor]
     versions: list[int]
     meta: dict[str, Any]
 
 
-def _parts(value: Saved) -> list[torch.Tensor]:
-    return [value] if isinstance(value, torch.Tensor) else list(value)
+class TensorPiece(NamedTuple):
+    """Bytes [tensor_offset, tensor_offset + nbytes) of the tensor `name`'s data (C order: a range of
+    rows along dim 0 is one such range), found at source_offset in a fragment's buffer."""
+
+    name: str
+    tensor_offset: int
+    source_offset: int
+    nbytes: int
 
 
-def _whole_shape(name: str, parts: Sequence[torch.Tensor]) -> tuple[int, ...]:
-    """The shape of the tensor the parts make, end to end along dim 0 (ValueError if they cannot)."""
-    if not parts:
-        raise ValueError(f"{name!r} has no pieces")
-    if len(parts) == 1:
-        return tuple(parts[0].shape)
-    first = parts[0]
-    if first.dim() == 0 or any(p.dim() == 0 or p.shape[1:] != first.shape[1:] for p in parts):
-        raise ValueError(f"the pieces of {name!r} do not stack along dim 0")
-    if any(p.dtype != first.dtype for p in parts):
-        raise ValueError(f"the pieces of {name!r} have different dtypes")
-    return (sum(p.shape[0] for p in parts), *first.shape[1:])
+#: capture(fragment, params_out, momentum_out) -> version: copy the fragment's Θ and b bytes (its
+#: buffer layout, the one its pieces' source_offset refer to) into the two buffers, with no merge of
+#: that fragment under way, and return the version they hold. Called once per fragment, in order.
+Capture = Callable[[int, memoryview, memoryview], int]
+
+
+@dataclass(frozen=True, slots=True)
+class FragmentedModel:
+    """What `save_fragments` needs to know up front: every tensor's shape (Θ and b both float32,
+    in this order: the param_names of state.json), and per fragment its size in bytes and pieces."""
+
+    shapes: dict[str, tuple[int, ...]]
+    fragment_bytes: tuple[int, ...]
+    pieces: tuple[tuple[TensorPiece, ...], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,16 +207,82 @@ def save_checkpoint(state_dir: Path, state: SyncerState, *, keep: int = DEFAULT_
     Raises ValueError for an inconsistent state (nothing is written), OSError when writing fails
     (nothing that looks complete is left), CheckpointPruneError when only the clean-up failed.
     """
-    if keep < 1:
-        raise ValueError(f"keep must be at least 1, got {keep}")
+    _check_keep(keep)
+    _check_state(state)
+    meta_json = _meta_json(state.meta)
+    model = _FileLayout.of({n: (t.dtype, tuple(t.shape)) for n, t in state.params.items()})
+    momentum = _FileLayout.of({n: (t.dtype, tuple(t.shape)) for n, t in state.momentum.items()})
+
+    def write(model_fd: int, momentum_fd: int) -> list[int]:
+        for layout, fd, tensors in ((model, model_fd, state.params), (momentum, momentum_fd, state.momentum)):
+            for name, tensor in tensors.items():
+                # A tensor that is not a contiguous CPU tensor is copied alone just before it is
+                # written, so at most one tensor's copy exists at a time.
+                packed = tensor.detach().to("cpu").contiguous()
+                if packed.numel() * packed.element_size() != layout.sizes[name]:
+                    raise CheckpointError(f"{name!r}: the tensors changed while they were being saved")
+                if packed.numel():
+                    _pwrite_all(fd, _bytes_of(packed), layout.data_start + layout.offsets[name])
+                del packed
+        return list(state.versions)
+
+    return _save(state_dir, list(state.params), model, momentum, write, meta_json, keep)
+
+
+def save_fragments(
+    state_dir: Path,
+    model: FragmentedModel,
+    capture: Capture,
+    meta: dict[str, Any],
+    *,
+    keep: int = DEFAULT_KEEP,
+) -> Path:
+    """Write a checkpoint of a model held as fragments, one fragment at a time (see the module
+    docstring): capture(p, ...) copies fragment p into a staging buffer, then its pieces are
+    written at their offsets in both files; versions[p] is what capture returned. Same files, same
+    guarantees and the same errors as save_checkpoint; memory: two buffers of the largest fragment.
+    """
+    _check_keep(keep)
+    _check_fragmented(model)
+    meta_json = _meta_json(meta)
+    layout = _FileLayout.of({name: (torch.float32, shape) for name, shape in model.shapes.items()})
+
+    def write(model_fd: int, momentum_fd: int) -> list[int]:
+        largest = max(model.fragment_bytes, default=0)
+        staging = [bytearray(largest), bytearray(largest)]
+        for buffer in staging:  # fault the pages in here, not inside the first capture
+            if largest:
+                torch.frombuffer(buffer, dtype=torch.uint8).fill_(0)
+        params, momentum = (memoryview(b) for b in staging)
+        versions = []
+        for index, (size, pieces) in enumerate(zip(model.fragment_bytes, model.pieces, strict=True)):
+            version = capture(index, params[:size], momentum[:size])
+            if type(version) is not int or version < 0:
+                raise ValueError(f"capture gave fragment {index} the version {version!r}")
+            versions.append(version)
+            for piece in pieces:
+                at = layout.data_start + layout.offsets[piece.name] + piece.tensor_offset
+                source = slice(piece.source_offset, piece.source_offset + piece.nbytes)
+                _pwrite_all(model_fd, params[source], at)
+                _pwrite_all(momentum_fd, momentum[source], at)
+        return versions
+
+    return _save(state_dir, list(model.shapes), layout, layout, write, meta_json, keep)
+
+
+def _save(
+    state_dir: Path,
+    names: list[str],
+    model: _FileLayout,
+    momentum: _FileLayout,
+    write: Callable[[int, int], list[int]],
+    meta_json: str,
+    keep: int,
+) -> Path:
+    """The steps every save shares: a temporary directory, both tensor files sized and headed,
+    write() to fill them (returning the versions), fsync, digests, state.json, rename, prune."""
     if sys.byteorder != "little":
         raise CheckpointError("safetensors files are little-endian; this host is big-endian")
-    _check_state(state)
-    try:
-        meta_json = json.dumps(state.meta, allow_nan=False)  # fails here, before anything is written
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"meta is not JSON-serialisable: {exc}") from exc
-
     root = Path(state_dir) / CHECKPOINTS_DIR
     _make_dirs(root)
     sequence = max((seq for seq, _ in _final_dirs(root)), default=0) + 1
@@ -211,15 +291,30 @@ def save_checkpoint(state_dir: Path, state: SyncerState, *, keep: int = DEFAULT_
     final = root / name
     temp.mkdir()
     try:
-        model_record = _write_tensor_file(temp / MODEL_FILE, state.params)
-        momentum_record = _write_tensor_file(temp / MOMENTUM_FILE, state.momentum)
+        model_fd = _create_tensor_file(temp / MODEL_FILE, model)
+        try:
+            momentum_fd = _create_tensor_file(temp / MOMENTUM_FILE, momentum)
+            try:
+                versions = write(model_fd, momentum_fd)
+                _check_versions(versions)
+                for fd in (model_fd, momentum_fd):
+                    os.fsync(fd)
+            finally:
+                os.close(momentum_fd)
+        finally:
+            os.close(model_fd)
+        # Below the event loop's priority, like the thread that calls this (ops/priority.py).
+        with ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="dilocod-digest", initializer=lower_this_thread
+        ) as pool:
+            model_record, momentum_record = pool.map(_file_record, (temp / MODEL_FILE, temp / MOMENTUM_FILE))
         document = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "sequence": sequence,
             "saved_at_unix_s": time.time(),
-            "param_names": list(state.params),
-            "versions": list(state.versions),
+            "param_names": names,
+            "versions": versions,
             "meta": json.loads(meta_json),
             "files": {MODEL_FILE: model_record, MOMENTUM_FILE: momentum_record},
         }
@@ -277,27 +372,23 @@ def _check_state(state: SyncerState) -> None:
     if set(state.params) != set(state.momentum):
         missing = sorted(set(state.params) ^ set(state.momentum))
         raise ValueError(f"params and momentum must have the same names; differing: {missing[:10]}")
-    for name in state.params:
+    for name, param in state.params.items():
         if not isinstance(name, str) or name == "__metadata__" or not name.isprintable():
             raise ValueError(f"parameter name {name!r} cannot be stored")
-        shapes = {}
-        for kind, value in (("param", state.params[name]), ("momentum", state.momentum[name])):
-            if not isinstance(value, torch.Tensor | list | tuple):
-                raise ValueError(f"{kind} {name!r} must be a dense tensor, got {type(value).__name__}")
-            for tensor in _parts(value):
-                if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
-                    raise ValueError(f"{kind} {name!r} must be a dense tensor, got {type(tensor).__name__}")
-                if tensor.dtype not in _DTYPE_NAMES:
-                    raise ValueError(
-                        f"{kind} {name!r} has dtype {tensor.dtype}, which safetensors cannot store"
-                    )
-                if tensor.is_meta:
-                    raise ValueError(f"{kind} {name!r} is on the meta device and has no values")
-                if kind == "momentum" and tensor.dtype != torch.float32:
-                    raise ValueError(f"momentum {name!r} must be float32, got {tensor.dtype}")
-            shapes[kind] = _whole_shape(name, _parts(value))
-        if shapes["momentum"] != shapes["param"]:
-            raise ValueError(f"momentum {name!r} has shape {shapes['momentum']}, its param {shapes['param']}")
+        momentum = state.momentum[name]
+        for kind, tensor in (("param", param), ("momentum", momentum)):
+            if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+                raise ValueError(f"{kind} {name!r} must be a dense tensor, got {type(tensor).__name__}")
+            if tensor.dtype not in _DTYPE_NAMES:
+                raise ValueError(f"{kind} {name!r} has dtype {tensor.dtype}, which safetensors cannot store")
+            if tensor.is_meta:
+                raise ValueError(f"{kind} {name!r} is on the meta device and has no values")
+        if momentum.dtype != torch.float32:
+            raise ValueError(f"momentum {name!r} must be float32, got {momentum.dtype}")
+        if momentum.shape != param.shape:
+            raise ValueError(
+                f"momentum {name!r} has shape {tuple(momentum.shape)}, its param {tuple(param.shape)}"
+            )
     _check_versions(state.versions)
     if not isinstance(state.meta, dict):
         raise ValueError(f"meta must be a dict, got {type(state.meta).__name__}")
@@ -312,52 +403,108 @@ def _check_versions(versions: object) -> None:
             raise ValueError(f"version of fragment {index} must be a non-negative int, got {version!r}")
 
 
-def _write_tensor_file(path: Path, tensors: Mapping[str, Saved]) -> dict[str, Any]:
-    """Write tensors as a safetensors file, fsync it, return its size and SHA-256.
+def _check_keep(keep: int) -> None:
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, got {keep}")
 
-    Bytes go from each tensor's (or each row piece's) memory to the file; one that is not a
-    contiguous CPU tensor is copied alone just before it is written, so at most one such copy
-    exists at a time. Tensors sharing memory (tied weights, views of one buffer) are simply
-    written twice.
-    """
-    parts = {name: _parts(value) for name, value in tensors.items()}
-    order = sorted(parts, key=lambda n: (-_DTYPE_RANKS[parts[n][0].dtype], n))
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name in order:
-        nbytes = sum(t.numel() * t.element_size() for t in parts[name])
-        header[name] = {
-            "dtype": _DTYPE_NAMES[parts[name][0].dtype],
-            "shape": list(_whole_shape(name, parts[name])),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    head += b" " * (-len(head) % _HEADER_ALIGNMENT)
-    digest = hashlib.sha256()
-    with open(path, "xb") as f:
-        for prefix in (_HEADER_LENGTH.pack(len(head)), head):
-            digest.update(prefix)
-            f.write(prefix)
+
+def _meta_json(meta: object) -> str:
+    if not isinstance(meta, dict):
+        raise ValueError(f"meta must be a dict, got {type(meta).__name__}")
+    try:
+        return json.dumps(meta, allow_nan=False)  # fails here, before anything is written
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"meta is not JSON-serialisable: {exc}") from exc
+
+
+def _check_fragmented(model: FragmentedModel) -> None:
+    """Every byte of every tensor is in exactly one piece, every piece inside its fragment."""
+    for name, shape in model.shapes.items():
+        if not isinstance(name, str) or name == "__metadata__" or not name.isprintable():
+            raise ValueError(f"parameter name {name!r} cannot be stored")
+        if any(type(d) is not int or d < 0 for d in shape):
+            raise ValueError(f"parameter {name!r} has shape {shape!r}")
+    if len(model.fragment_bytes) != len(model.pieces):
+        raise ValueError(f"{len(model.fragment_bytes)} fragment sizes for {len(model.pieces)} fragments")
+    covered: dict[str, list[tuple[int, int]]] = {name: [] for name in model.shapes}
+    for index, (size, pieces) in enumerate(zip(model.fragment_bytes, model.pieces, strict=True)):
+        for piece in pieces:
+            if piece.name not in covered:
+                raise ValueError(f"fragment {index} holds {piece.name!r}, which is not in the model")
+            if piece.nbytes < 0 or piece.source_offset < 0 or piece.source_offset + piece.nbytes > size:
+                raise ValueError(f"fragment {index}: piece {piece} lies outside its {size} bytes")
+            covered[piece.name].append((piece.tensor_offset, piece.tensor_offset + piece.nbytes))
+    for name, ranges in covered.items():
+        expected, at = math.prod(model.shapes[name]) * 4, 0
+        for start, stop in sorted(ranges):
+            if start != at:
+                raise ValueError(f"the pieces of {name!r} do not cover its bytes once each (at byte {at})")
+            at = stop
+        if at != expected:
+            raise ValueError(f"the pieces of {name!r} cover {at} of its {expected} bytes")
+
+
+@dataclass(frozen=True, slots=True)
+class _FileLayout:
+    """Where everything goes in one safetensors file: its header and each tensor's data offset."""
+
+    head: bytes
+    offsets: dict[str, int]
+    sizes: dict[str, int]
+    total_bytes: int
+
+    @property
+    def data_start(self) -> int:
+        return _HEADER_LENGTH.size + len(self.head)
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> _FileLayout:
+        order = sorted(tensors, key=lambda n: (-_DTYPE_RANKS[tensors[n][0]], n))
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offsets: dict[str, int] = {}
+        sizes: dict[str, int] = {}
+        offset = 0
         for name in order:
-            for tensor in parts[name]:
-                packed = tensor.detach().to("cpu").contiguous()
-                if packed.numel():
-                    view = _bytes_of(packed)
-                    # In slices: one write() of several GB may come back short on some systems.
-                    for start in range(0, len(view), _WRITE_SLICE_BYTES):
-                        piece = view[start : start + _WRITE_SLICE_BYTES]
-                        digest.update(piece)
-                        f.write(piece)
-                    del view, piece
-                del packed
-        f.flush()
-        os.fsync(f.fileno())
-        size = f.tell()
-    if size != _HEADER_LENGTH.size + len(head) + offset:
-        # A tensor was swapped for another while we wrote: the file would not parse.
-        raise CheckpointError(f"{path.name}: the tensors changed while they were being saved")
-    return {"bytes": size, "sha256": digest.hexdigest()}
+            dtype, shape = tensors[name]
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            header[name] = {
+                "dtype": _DTYPE_NAMES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            offsets[name], sizes[name] = offset, nbytes
+            offset += nbytes
+        head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        head += b" " * (-len(head) % _HEADER_ALIGNMENT)
+        return cls(head, offsets, sizes, _HEADER_LENGTH.size + len(head) + offset)
+
+
+def _create_tensor_file(path: Path, layout: _FileLayout) -> int:
+    """A new file of the layout's full size with its header written; the data is filled in later."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        os.ftruncate(fd, layout.total_bytes)
+        _pwrite_all(fd, memoryview(_HEADER_LENGTH.pack(len(layout.head)) + layout.head), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """pwrite all of data at offset, in slices: one write of several GB may come back short."""
+    data = data.cast("B") if data.format != "B" else data
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done : done + _WRITE_SLICE_BYTES], offset + done)
+
+
+def _file_record(path: Path) -> dict[str, Any]:
+    """Size and SHA-256 of a written file (hashlib releases the GIL: both files hash at once)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    return {"bytes": size, "sha256": digest}
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:

@@ -59,6 +59,7 @@ from dilocod.outer.guard import (
 )
 from dilocod.precision import tensor_views
 from dilocod.syncer.buffers import Buffer, BufferPool, zeroed
+from dilocod.syncer.checkpoint import TensorPiece
 from dilocod.wire.manifest import ModelEntry, TensorEntry, fragment_manifest, piece_rows
 
 
@@ -204,6 +205,24 @@ class GlobalModel:
             params[name] = [param for _, param, _ in found]
             momentum[name] = [buf for _, _, buf in found]
         return params, momentum
+
+    def checkpoint_pieces(self, index: int) -> tuple[TensorPiece, ...]:
+        """Where fragment index's bytes belong in a checkpoint: per tensor, the byte range of the
+        tensor's data it holds and where that sits in the master (any thread: it never changes)."""
+        store = self.fragments[index]
+        pieces = []
+        for (name, start, _), entry in zip(store.pieces, store.manifest, strict=True):
+            row_bytes = 4 * math.prod(self.specs[name].shape[1:]) if self.specs[name].shape else 0
+            pieces.append(TensorPiece(name, start * row_bytes, entry.offset, entry.nbytes))
+        return tuple(pieces)
+
+    def capture(self, index: int, params: memoryview, momentum: memoryview) -> int:
+        """Copy Θ_p and b_p (master layout) into params and momentum and return the version they
+        hold: one consistent fragment for a checkpoint (run in the merge worker, between merges)."""
+        store = self.fragments[index]
+        _copy_bytes(store.master, params)
+        _copy_bytes(store.momentum, momentum)
+        return store.version
 
     def publish_all(self) -> None:
         """Publish every fragment at its version, from its master (at start, before any learner is

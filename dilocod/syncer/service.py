@@ -2,8 +2,9 @@
 
 It owns the I/O and nothing else: per learner, one session (JOIN, then PLAN and every fragment to
 heal it, then step reports and pushes in, requests and updates out); one merge worker thread that
-screens pushes, merges rounds and takes checkpoints one at a time (so a checkpoint always sees a
-fragment between merges); a ticker that wakes the state machine at its grace deadlines. Decisions
+merges rounds and copies fragments out for checkpoints one at a time (so a checkpoint always sees
+a fragment between merges), and a checkpoint thread that writes them meanwhile; a ticker that
+wakes the state machine at its grace deadlines. Decisions
 are Rounds'; numbers are GlobalModel's. A learner may vanish at any point: it is simply absent
 from the rounds, and whatever it had in flight is released.
 """
@@ -29,9 +30,10 @@ import structlog
 from dilocod.config import SyncerConfig
 from dilocod.ops.figures import quantiles
 from dilocod.ops.looplag import LoopLag
+from dilocod.ops.priority import lower_this_thread
 from dilocod.outer.guard import Verdict
 from dilocod.precision import PRECISIONS, decode, precision_of, push_layout
-from dilocod.syncer.checkpoint import CheckpointPruneError, SyncerState, save_checkpoint
+from dilocod.syncer.checkpoint import CheckpointPruneError, FragmentedModel, save_fragments
 from dilocod.syncer.model import GlobalModel, MergeRejected, Snapshot, first_mismatch
 from dilocod.syncer.rounds import Action, Merge, Push, Refusal, Release, Request, Rounds
 from dilocod.syncer.steprate import StepRates
@@ -160,6 +162,12 @@ class SyncerService:
         # that wakes from a sleep ahead of threads that have been running.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dilocod-merge")
         self._screener = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dilocod-screen")
+        # Checkpoints are written here, fragment by fragment, each fragment copied out in the merge
+        # worker (checkpoint()): merges go on while the disk works. Below the loop's priority: the
+        # disk waits, not the sessions.
+        self._checkpointer = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="dilocod-checkpoint", initializer=lower_this_thread
+        )
         self._tasks: asyncio.TaskGroup | None = None
         self._ticker_wake = asyncio.Event()
         self._merges: set[asyncio.Task[None]] = set()
@@ -223,11 +231,15 @@ class SyncerService:
                     self.final_checkpoint_problem = self.checkpoint_problem
                 await server.close("syncer shutting down")
         finally:
+            # The checkpointer first: a checkpoint under way still needs the merge worker.
+            self._checkpointer.shutdown(wait=True, cancel_futures=True)
             self._screener.shutdown(wait=True, cancel_futures=True)
             self._executor.shutdown(wait=True, cancel_futures=True)
 
     async def checkpoint(self) -> Path:
-        """Write a checkpoint now (in the merge worker, between merges). A failure is counted,
+        """Write a checkpoint now: in the checkpoint thread, fragment by fragment, each fragment's
+        Θ_p, b_p and version copied out together in the merge worker between two merges of it,
+        so rounds go on while it is written (checkpoint.save_fragments). A failure is counted,
         logged with its reason and raised; nothing of it is left on disk, so the previous
         checkpoint stays the newest. Old checkpoints that cannot be removed are only logged."""
         now = self.clock()
@@ -253,12 +265,23 @@ class SyncerService:
             },
         }
 
-        def save() -> Path:
-            params, momentum = self.model.state()
-            return save_checkpoint(self.state_dir, SyncerState(params, momentum, self.model.versions, meta))
+        model = self.model
+        layout = FragmentedModel(
+            {name: model.specs[name].shape for name in model.order},
+            tuple(store.raw_bytes for store in model.fragments),
+            tuple(model.checkpoint_pieces(store.index) for store in model.fragments),
+        )
 
+        def capture(index: int, params: memoryview, momentum: memoryview) -> int:
+            # One fragment's copy, in the merge worker: queued behind a merge under way, it holds
+            # up the merges behind it for a memcpy of Θ_p and b_p, never for the disk.
+            return self._executor.submit(model.capture, index, params, momentum).result()
+
+        started = self.clock()
         try:
-            path = await asyncio.get_running_loop().run_in_executor(self._executor, save)
+            path = await asyncio.get_running_loop().run_in_executor(
+                self._checkpointer, partial(save_fragments, self.state_dir, layout, capture, meta)
+            )
         except CheckpointPruneError as exc:  # written and durable; the disk will fill up
             path = exc.saved
             log.error("old checkpoints not removed", path=str(path), error=str(exc.__cause__))
@@ -275,7 +298,12 @@ class SyncerService:
         self.checkpoints_written += 1
         self.last_checkpoint = path
         self.checkpoints_failed, self.checkpoint_problem = 0, None
-        log.info("checkpoint", path=str(path), versions=sum(self.model.versions))
+        log.info(
+            "checkpoint",
+            path=str(path),
+            versions=sum(self.model.versions),
+            duration_s=round(self.clock() - started, 3),
+        )
         return path
 
     def _forget_gone(self, now: float) -> None:
@@ -733,10 +761,25 @@ class SyncerService:
 
     async def _send_updates(self, peer: _Peer) -> None:
         """Send this learner the newest snapshot of every fragment it lacks, the longest waiting
-        first; an update superseded while queued goes out once, at its newest version."""
+        first; an update superseded while queued goes out once, at its newest version. One at a
+        time: on loopback the receiver is the bottleneck, and two updates in flight (even the
+        next one started only once the previous one's chunks were all written) made a heal
+        slower (bench/notes/checkpoint-and-heal.md). The first heal is logged once, with its
+        duration and rate."""
         failures: dict[int, int] = defaultdict(int)
+        heal_started, heal_bytes = self.clock(), 0
         while True:
             if not peer.pending:
+                if not peer.healed.is_set():
+                    seconds = max(self.clock() - heal_started, 1e-9)
+                    log.info(
+                        "learner healed",
+                        learner=peer.learner,
+                        fragments=len(self.model.fragments),
+                        bytes=heal_bytes,
+                        duration_s=round(seconds, 3),
+                        gbit_s=round(heal_bytes * 8 / seconds / 1e9, 3),
+                    )
                 peer.healed.set()
                 peer.wake.clear()
                 await peer.wake.wait()
@@ -760,6 +803,8 @@ class SyncerService:
                 await peer.session.send_fragment(header, snapshot.buffer, checksums=snapshot.checksums)
                 peer.sent[index] = snapshot.version
                 self.bytes_out += store.raw_bytes
+                if not peer.healed.is_set():
+                    heal_bytes += store.raw_bytes
                 failures.pop(index, None)
                 # Acknowledged: the end of this learner's part of the round's sync time (ξ_sync).
                 self.rounds.update_done(peer.learner, index, snapshot.version, self.clock())

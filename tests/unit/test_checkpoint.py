@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 from collections.abc import Callable
@@ -28,11 +29,14 @@ from dilocod.syncer.checkpoint import (
     STATE_FILE,
     CheckpointError,
     DamagedCheckpointsError,
+    FragmentedModel,
     NoCheckpointError,
     SyncerState,
+    TensorPiece,
     export_model,
     load_latest_checkpoint,
     save_checkpoint,
+    save_fragments,
 )
 
 
@@ -160,35 +164,116 @@ def test_tensor_files_are_what_safetensors_itself_writes(tmp_path: Path) -> None
     assert (path / MODEL_FILE).read_bytes() == expected
 
 
-def test_a_tensor_given_as_row_pieces_is_written_as_the_whole_tensor(tmp_path: Path) -> None:
-    """The syncer hands its parameters over as row pieces (views of its fragment buffers): the
-    file is byte for byte the one of the whole tensors, and loads as them."""
-    whole = make_state(4)
-    cut = SyncerState(
-        {name: list(torch.tensor_split(t, 3)) if t.dim() else [t] for name, t in whole.params.items()},
-        {name: list(torch.tensor_split(t, 2)) if t.dim() else t for name, t in whole.momentum.items()},
-        list(whole.versions),
-        dict(whole.meta),
-    )
-    # Cut: bf16 and float32 tensors, a non-contiguous one, the two sharing one storage.
-    assert len(cut.params["head.weight"]) == 3 and not cut.params["head.weight"][0].is_contiguous()
-    sliced_dir, whole_dir = tmp_path / "sliced", tmp_path / "whole"
-    sliced, full = save_checkpoint(sliced_dir, cut), save_checkpoint(whole_dir, whole)
-    for file in (MODEL_FILE, "momentum.safetensors"):
-        assert (sliced / file).read_bytes() == (full / file).read_bytes(), file
-    loaded = load_latest_checkpoint(sliced_dir)
+def float32_model(seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"b.weight": (6, 3), "a.weight": (5,), "c.scale": (), "d.empty": (0, 4), "e.rows": (7, 2)}
+    params = {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}
+    momentum = {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}
+    return params, momentum
+
+
+def row_split_fragments(
+    params: dict[str, torch.Tensor],
+) -> tuple[FragmentedModel, list[tuple[bytearray, bytearray]]]:
+    """Three fragments, two tensors split across two of them as row ranges (the pieces a fragment
+    plan that slices large tensors makes), each fragment packed back to back in its own buffers
+    (with a gap, as manifests align): the fragments' buffers, and their bytes."""
+    layout = [
+        [("b.weight", 0, 4), ("a.weight", 0, 5)],
+        [("b.weight", 4, 6), ("e.rows", 0, 3), ("c.scale", 0, 1)],
+        [("e.rows", 3, 7), ("d.empty", 0, 0)],
+    ]
+    pieces, sizes = [], []
+    for fragment in layout:
+        offset, made = 0, []
+        for name, start, stop in fragment:
+            shape = params[name].shape
+            row_bytes = math.prod(shape[1:]) * 4 if shape else 4
+            made.append(TensorPiece(name, start * row_bytes, offset, (stop - start) * row_bytes))
+            offset += (stop - start) * row_bytes + 12  # a gap, never written to the file
+        pieces.append(tuple(made))
+        sizes.append(offset)
+    model = FragmentedModel({name: tuple(t.shape) for name, t in params.items()}, tuple(sizes), tuple(pieces))
+    return model, [(bytearray(size), bytearray(size)) for size in sizes]
+
+
+def fill(
+    buffers: tuple[bytearray, bytearray],
+    pieces: tuple[TensorPiece, ...],
+    tensors: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]],
+) -> None:
+    for buffer, source in zip(buffers, tensors, strict=True):
+        for piece in pieces:
+            flat = source[piece.name].reshape(-1).view(torch.uint8)
+            buffer[piece.source_offset : piece.source_offset + piece.nbytes] = bytes(
+                flat[piece.tensor_offset : piece.tensor_offset + piece.nbytes]
+            )
+
+
+def test_fragment_by_fragment_writes_the_same_files_as_a_whole_state(tmp_path: Path) -> None:
+    """Row pieces written at their offsets, fragment by fragment, make byte for byte the files of
+    save_checkpoint of the whole tensors, with each fragment's version as capture reported it."""
+    params, momentum = float32_model(1)
+    model, buffers = row_split_fragments(params)
+    for buffers_p, pieces in zip(buffers, model.pieces, strict=True):
+        fill(buffers_p, pieces, (params, momentum))
+    captured: list[int] = []
+
+    def capture(index: int, params_out: memoryview, momentum_out: memoryview) -> int:
+        captured.append(index)
+        params_out[:] = buffers[index][0]
+        momentum_out[:] = buffers[index][1]
+        return 10 + index
+
+    meta = {"next_round": 4}
+    split = save_fragments(tmp_path / "split", model, capture, meta)
+    whole = save_checkpoint(tmp_path / "whole", SyncerState(params, momentum, [10, 11, 12], meta))
+    assert captured == [0, 1, 2]
+    for name in (MODEL_FILE, MOMENTUM_FILE):
+        assert (split / name).read_bytes() == (whole / name).read_bytes()
+    loaded = load_latest_checkpoint(tmp_path / "split")
     assert loaded is not None
-    assert_same_tensors(loaded.state.params, whole.params)
-    assert_same_tensors(loaded.state.momentum, {name: whole.momentum[name] for name in whole.params})
+    assert_same_state(loaded.state, SyncerState(params, momentum, [10, 11, 12], meta))
 
 
-def test_pieces_that_do_not_stack_are_refused(tmp_path: Path) -> None:
-    state = make_state(5)
-    name = next(n for n, t in state.params.items() if t.dim() == 2)
-    rows, cols = state.params[name].shape
-    state.params[name] = [torch.zeros(1, cols), torch.zeros(rows - 1, cols + 1)]
-    with pytest.raises(ValueError, match="do not stack"):
-        save_checkpoint(tmp_path, state)
+def _shifted(p: tuple) -> tuple:
+    return (p[0], (p[1][0]._replace(tensor_offset=p[1][0].tensor_offset + 4), *p[1][1:]), *p[2:])
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (_shifted, "cover"),  # a gap and an overlap
+        (lambda p: (p[0] + p[1][:1], *p[1:]), "cover"),  # a piece twice
+        (lambda p: (p[0][:1], *p[1:]), "cover"),  # a tensor missing
+        (lambda p: ((p[0][0]._replace(source_offset=10**6), *p[0][1:]), *p[1:]), "outside"),
+        (lambda p: ((p[0][0]._replace(name="nope"), *p[0][1:]), *p[1:]), "not in the model"),
+    ],
+)
+def test_pieces_that_do_not_cover_every_byte_once_are_refused_before_anything_is_written(
+    tmp_path: Path, edit: Callable, message: str
+) -> None:
+    params, _ = float32_model(2)
+    model, _ = row_split_fragments(params)
+    bad = FragmentedModel(model.shapes, model.fragment_bytes, edit(model.pieces))
+    with pytest.raises(ValueError, match=message):
+        save_fragments(tmp_path, bad, lambda *_: pytest.fail("captured"), {})
+    assert not (tmp_path / CHECKPOINTS_DIR).exists()
+
+
+def test_a_failing_capture_leaves_no_trace(tmp_path: Path) -> None:
+    params, momentum = float32_model(3)
+    model, _ = row_split_fragments(params)
+    first = save_checkpoint(tmp_path, SyncerState(params, momentum, [0, 0, 0], {}))
+
+    def capture(index: int, params_out: memoryview, momentum_out: memoryview) -> int:
+        if index == 2:
+            raise RuntimeError("the merge worker is gone")
+        return 1
+
+    with pytest.raises(RuntimeError, match="merge worker"):
+        save_fragments(tmp_path, model, capture, {})
+    assert checkpoint_names(tmp_path) == [first.name]
 
 
 # --- retention and leftovers -------------------------------------------------------------------

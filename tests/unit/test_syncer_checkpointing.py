@@ -1,11 +1,14 @@
 """The syncer service's checkpoints (SyncerService.checkpoint): a failure is counted, named in the
 status with its reason and raised, and leaves nothing on disk, so the previous checkpoint stays
 the newest; old checkpoints that cannot be removed do not make a written checkpoint a failure.
-The real-process side (a full disk, the goodbyes, exit 74) is tests/integration/test_state_disk.py."""
+The real-process side (a full disk, the goodbyes, exit 74) is tests/integration/test_state_disk.py.
+A checkpoint holds up merges only while it copies one fragment out: a merge runs in the middle of
+one, and each fragment's Θ, b and version in it agree."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,6 +37,7 @@ def service(tmp_path: Path) -> Iterator[SyncerService]:
         SyncerConfig(), model, rounds, state_dir=tmp_path, incarnation="test", secret=None, meta={}
     )
     yield made
+    made._checkpointer.shutdown(wait=True)
     made._executor.shutdown(wait=True)
     made._screener.shutdown(wait=True)
 
@@ -70,3 +74,69 @@ def test_a_checkpoint_whose_clean_up_failed_is_written(
     assert service.status()["checkpoints_failed"] == 0
     loaded = load_latest_checkpoint(tmp_path)
     assert loaded is not None and loaded.path == path
+
+
+def test_a_merge_runs_during_a_checkpoint_and_each_fragment_is_consistent(tmp_path: Path) -> None:
+    """Fragment 0 is copied out; then, while the checkpoint is still being written, a merge of both
+    fragments runs in the merge worker; then fragment 1 is copied. The checkpoint holds fragment 0
+    as it was before the merge and fragment 1 as it was after, each with its own version."""
+    module = torch.nn.Linear(4, 2)
+    specs = model_entries(module)
+    plan = plan_fragments([(s.name, s.shape) for s in specs], 2)
+    model = GlobalModel(plan, specs, chunk_bytes=4096, embedding_pattern="*embed*")
+    params = dict(module.named_parameters())
+    model.load(params, {name: torch.randn(p.shape) for name, p in params.items()})
+    model.publish_all()
+    service = SyncerService(
+        SyncerConfig(), model, Rounds(RoundConfig(fragments=2, sync_every=1_000_000)),
+        state_dir=tmp_path, incarnation="test", secret=None, meta={},
+    )  # fmt: skip
+    copied_0, merge_queued = threading.Event(), threading.Event()
+    real_capture = model.capture
+
+    def capture(index: int, params: memoryview, momentum: memoryview) -> int:
+        version = real_capture(index, params, momentum)
+        if index == 0:  # in the merge worker: the merge below is queued before fragment 1's copy
+            copied_0.set()
+            assert merge_queued.wait(30)
+        return version
+
+    model.capture = capture  # type: ignore[method-assign]  # the real copy, observed
+
+    def merge_both() -> list[tuple[bytes, bytes, int]]:
+        after = []
+        for store in model.fragments:
+            push = bytearray(torch.full((store.raw_bytes // 4,), 0.25).numpy().tobytes())
+            model.merge(
+                store.index, [push], [1.0], lr=0.7, mu=0.9, merge="mean", version=store.version + 1,
+            )  # fmt: skip
+            after.append((bytes(store.master), bytes(store.momentum), store.version))
+        return after
+
+    before = [(bytes(s.master), bytes(s.momentum), s.version) for s in model.fragments]
+
+    async def scenario() -> tuple[Path, list[tuple[bytes, bytes, int]]]:
+        written = asyncio.create_task(service.checkpoint())
+        assert await asyncio.to_thread(copied_0.wait, 30)
+        merged = service._executor.submit(merge_both)
+        merge_queued.set()
+        path = await written
+        return path, merged.result(timeout=30)
+
+    try:
+        path, after = asyncio.run(scenario())
+    finally:
+        service._checkpointer.shutdown(wait=True)
+        service._executor.shutdown(wait=True)
+        service._screener.shutdown(wait=True)
+    loaded = load_latest_checkpoint(tmp_path)
+    assert loaded is not None and loaded.path == path
+    assert loaded.state.versions == [before[0][2], after[1][2]] == [0, 1]
+    for store, (master, momentum, _) in zip(model.fragments, [before[0], after[1]], strict=True):
+        assert before[store.index][:2] != after[store.index][:2]  # the merge changed both fragments
+        for (name, start, stop), entry in zip(store.pieces, store.manifest, strict=True):
+            span = slice(entry.offset, entry.offset + entry.nbytes)
+            for saved, held in ((loaded.state.params, master), (loaded.state.momentum, momentum)):
+                tensor = saved[name]  # the fragment holds rows [start, stop) of it
+                piece = tensor[start:stop] if tensor.dim() else tensor
+                assert piece.numpy().tobytes() == held[span]

@@ -179,11 +179,12 @@ class GlobalModel:
                     param.copy_(rows(params[piece[0]], piece))
                     if momentum is not None:
                         buf.copy_(rows(momentum[piece[0]], piece))
-                    elif bool(buf.any()):
-                        # Fresh buffers are zero already, and left untouched: their pages are
-                        # only mapped when the first merge writes b_p, so a syncer that starts
-                        # from its entry peaks at its entry's model plus Θ, not plus Θ and b.
-                        buf.zero_()
+                if momentum is None:
+                    # b = 0 as a fresh map, never written or even read here: its pages are mapped
+                    # only when the first merge writes b_p, so a syncer that starts from its entry
+                    # peaks at the entry's model plus Θ, not plus Θ and b.
+                    store.momentum = zeroed(store.raw_bytes)
+                    store.momentum_views = tensor_views(store.momentum, store.manifest)
                 store.norm = l2_norm(store.params)
 
     @property

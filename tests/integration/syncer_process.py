@@ -298,6 +298,7 @@ def start_learner(
     learner_id: str,
     *args: str,
     credentials: tuple[str, ...] = ("--insecure",),
+    entry: str = LEARNER_ENTRY,
 ) -> DaemonProcess:
     """Start `dilocod learner` (no ready line: the tests wait on its log records)."""
     stderr_path = (
@@ -305,7 +306,7 @@ def start_learner(
     )
     stderr_path.touch()
     command = [sys.executable, "-m", "dilocod", "learner", "--syncer", f"127.0.0.1:{port}", *credentials]
-    command += ["--entry", LEARNER_ENTRY, "--id", learner_id, "--device", "cpu", *args]
+    command += ["--entry", entry, "--id", learner_id, "--device", "cpu", *args]
     process = subprocess.Popen(
         command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_child_env(entry_dir)
     )

@@ -35,7 +35,8 @@ stdlib's sources), same number of training tokens; the number compared is the ev
   again (the spread of c: the interleaving of rounds differs run to run), **c-mom05** and
   **c-mom07** c with --outer-momentum 0.5 and 0.7, **c-lr04** c with --outer-lr 0.4, **c-avg** c
   with --outer-lr 1 --outer-momentum 0 (the merged outer gradient applied as it is: averaging, no
-  momentum), **solo** one learner's batch (16) alone for --steps steps, 1/M of the tokens (what the
+  momentum), **c-bf16** c with the syncer's --update-precision bf16 (updates rounded to bfloat16),
+  **solo** one learner's batch (16) alone for --steps steps, 1/M of the tokens (what the
   M learners would reach without any merging).
 - Sweep rows (only with --only): c or f, then what they change, in this order: **-lr<η>**,
   **-m<μ>**, **-g<gamma>**, **-kl**. E.g. `c-lr1-m0.5-g1-kl` is c with --outer-lr 1
@@ -138,6 +139,7 @@ VARIANTS = {
         Variant("h", "c with --precision int4", learner_args=("--precision", "int4")),
         Variant("a2", "a, data seed 1 (spread of a)", data_parallel=True, data_seed=1),
         Variant("c2", "c again (spread of c)"),
+        Variant("c-bf16", "c with --update-precision bf16", syncer_args=("--update-precision", "bf16")),
         Variant("c-mom05", "c with --outer-momentum 0.5", syncer_args=("--outer-momentum", "0.5")),
         Variant("c-mom07", "c with --outer-momentum 0.7", syncer_args=("--outer-momentum", "0.7")),
         Variant("c-lr04", "c with --outer-lr 0.4", syncer_args=("--outer-lr", "0.4")),
@@ -386,6 +388,7 @@ def run_daemons(
             learner.wait()  # exited already: this reads its log to the end (the step it stopped at)
         codes = [learner.process.returncode for learner in fleet if learner.process is not None]
         wall_s = time.monotonic() - started
+        egress = syncer_status(port)
         if syncer.stop() != 0:
             raise RuntimeError(f"the syncer did not stop cleanly; see {syncer.log_path}")
         loss, _ = global_model_loss(work / "syncer", held_out)
@@ -399,6 +402,9 @@ def run_daemons(
             "learner_exit_codes": codes,
             "learners_wall_s": round(wall_s, 1),
             "rounds_merged": count_rounds(syncer.log_path),
+            # The syncer's update bytes (every send to every learner, heals included) per merged round.
+            "syncer_bytes_out": egress["bytes_out"],
+            "bytes_out_per_round": round(egress["bytes_out"] / max(1, egress["rounds_merged"])),
             "kills": kills_done,
         }
     finally:
@@ -406,6 +412,18 @@ def run_daemons(
             if daemon.alive():
                 with contextlib.suppress(Exception):
                     daemon.stop()
+
+
+def syncer_status(port: int) -> dict[str, Any]:
+    """`dilocod status --json` of the syncer on this loopback port."""
+    done = subprocess.run(
+        [sys.executable, "-m", "dilocod", "status", "--syncer", f"127.0.0.1:{port}", "--insecure", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return json.loads(done.stdout)
 
 
 def count_rounds(log_path: Path) -> int | None:

@@ -539,6 +539,11 @@ def status(
 )
 @click.option("--chunk", help="Chunk size of updates.  [default: 1MiB]")
 @click.option("--codec", help="Codec of updates: none, lz4 or zstd.  [default: none]")
+@click.option(
+    "--update-precision",
+    help="Updates on the wire: fp32, or bf16 (half the bytes, rounded to nearest even; the global model "
+    "stays float32).  [default: fp32]",
+)
 @click.option("--seed", help="Seed handed to the factory.  [default: 0]")
 @click.option("--ready-json", is_flag=True, help="Print one JSON line on stdout once listening.")
 @click.option("--uvloop/--no-uvloop", default=True, show_default=True, help="Use uvloop if installed.")

@@ -252,6 +252,8 @@ DEFAULT_PORT = 7070
 DEFAULT_ENTRY = "dilocod.examples.charlm:make_trainer"
 MERGES = ("rda", "mean")
 WIRE_CODECS = ("none", "lz4", "zstd")
+#: Wire precisions of updates (dilocod.precision): the syncer rounds what it sends, never its master.
+UPDATE_PRECISIONS = ("fp32", "bf16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,6 +294,8 @@ class SyncerConfig:
     #: How updates travel: chunk size and codec (learners choose their own for pushes).
     chunk: int = 1 << 20
     codec: str = "none"
+    #: Wire precision of updates: fp32, or bf16 (half the bytes; the master stays float32).
+    update_precision: str = "fp32"
     seed: int = 0
 
     @property
@@ -334,6 +338,7 @@ SYNCER_FIELDS: dict[str, Parse] = {
     "max_fragment_ratio": _number(0.0, low_open=True),
     "chunk": _size,
     "codec": _text(WIRE_CODECS),
+    "update_precision": _text(UPDATE_PRECISIONS),
     "seed": _integer(0, 2**63 - 1),
 }
 

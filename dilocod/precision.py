@@ -11,11 +11,17 @@ fp32 layout is exactly wire.manifest.fragment_manifest's.
   float32 scales as `name#scales`: 1.0625 and 0.5625 bytes per parameter.
 Lossy precisions carry error feedback: what one round lost is added to the next outer gradient of
 the same fragment, so the errors cancel over rounds instead of accumulating.
+
+Updates (the syncer's merged fragments) travel at fp32 or bf16 in the same layouts, without error
+feedback: `recast` copies a fragment from one layout into another (float32 to bfloat16 rounds to
+nearest even, bfloat16 to float32 is exact), so the syncer encodes an update and a learner decodes
+it with it, each into a buffer it owns.
 """
 
 from __future__ import annotations
 
 import math
+import mmap
 from collections.abc import Sequence
 
 import torch
@@ -28,6 +34,8 @@ PRECISIONS = ("fp32", "bf16", "int8", "int4")
 BLOCK_SIZE = 64
 SCALES_SUFFIX = "#scales"
 _BITS = {"int8": 8, "int4": 4}
+#: Memory a fragment's bytes may live in (the syncer's pool lends anonymous maps).
+Buffer = bytearray | memoryview | mmap.mmap
 
 
 def push_layout(
@@ -78,7 +86,7 @@ _TORCH_DTYPES = {
 }
 
 
-def tensor_views(buffer: bytearray | memoryview, manifest: Sequence[TensorEntry]) -> list[Tensor]:
+def tensor_views(buffer: Buffer, manifest: Sequence[TensorEntry]) -> list[Tensor]:
     """The manifest's tensors as views onto a wire-layout buffer, sharing its memory (no copy).
     Every part of dilocod that reads or writes fragment bytes in place goes through this."""
     raw = torch.frombuffer(buffer, dtype=torch.uint8) if len(buffer) else torch.empty(0, dtype=torch.uint8)
@@ -138,3 +146,27 @@ def decode(
         for i, ((_, shape), target) in enumerate(zip(shapes, out, strict=True)):
             q = QuantizedTensor(bits, BLOCK_SIZE, shape, views[2 * i], views[2 * i + 1])
             dequantize(q, out=target)
+
+
+def recast(
+    source: Buffer,
+    source_manifest: Sequence[TensorEntry],
+    target: Buffer,
+    target_manifest: Sequence[TensorEntry],
+) -> None:
+    """Copy each tensor of a wire-layout buffer into the same tensor of another layout (same names
+    and shapes, any float dtypes: torch's conversion, round to nearest even when narrowing), and
+    zero the target's padding, so that equal tensors make equal bytes and equal checksums."""
+    if [(e.name, e.shape) for e in source_manifest] != [(e.name, e.shape) for e in target_manifest]:
+        raise ValueError("recast between layouts of different tensors")
+    view = memoryview(target).cast("B")
+    end = 0
+    for entry in target_manifest:
+        view[end : entry.offset] = bytes(entry.offset - end)
+        end = entry.offset + entry.nbytes
+    view[end:] = bytes(len(view) - end)
+    with torch.no_grad():
+        for out, value in zip(
+            tensor_views(target, target_manifest), tensor_views(source, source_manifest), strict=True
+        ):
+            out.copy_(value)

@@ -4,6 +4,9 @@ float32 exactly as the syncer packs them (wire.manifest.fragment_manifest), so a
 read in place and a push's bytes are written in place. A layout's params are views of the live
 parameters' rows: an in-place write to one writes the parameter.
 
+Updates travel at fp32 (read in place) or bf16 (decoded into an fp32 buffer of this layout first):
+update_precision says which of the two layouts an update's manifest is, and refuses anything else.
+
 Checks the plan against the model before anything is trained: a learner whose parameter names or
 shapes differ from the syncer's gets a PlanMismatch naming the first difference. Must not import
 networking.
@@ -18,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from dilocod.precision import tensor_views
+from dilocod.precision import push_layout, tensor_views
 from dilocod.wire.manifest import ModelEntry, TensorEntry, fragment_manifest, piece_rows
 from dilocod.wire.messages import Plan
 
@@ -32,6 +35,35 @@ WIRE_DTYPES: dict[torch.dtype, str] = {
 
 class PlanMismatch(ValueError):
     """The syncer's model is not this learner's model; the message names the first difference."""
+
+
+class UpdateRefused(ValueError):
+    """An update whose manifest is not its fragment's layout at fp32 or bf16: the syncer's bug."""
+
+
+#: The precisions a learner accepts updates at (a syncer's --update-precision).
+UPDATE_PRECISIONS = ("fp32", "bf16")
+
+
+def update_precision(
+    fragment: int, layout: Sequence[TensorEntry], manifest: Sequence[TensorEntry], raw_bytes: int
+) -> str:
+    """Which precision an update of a fragment travels at: its manifest and size must be the
+    plan's layout of that fragment (`layout`, fp32: same names and shapes, in order) at fp32 or
+    bf16; else UpdateRefused says how it differs."""
+    shapes = [(entry.name, entry.shape) for entry in layout]
+    for precision in UPDATE_PRECISIONS:
+        expected, size = push_layout(shapes, precision)
+        if tuple(manifest) == expected and raw_bytes == size:
+            return precision
+    dtypes = sorted({entry.dtype for entry in manifest})
+    theirs = [(entry.name, entry.shape) for entry in manifest]
+    why = (
+        f"its tensors differ from the plan's ({len(theirs)} listed, the plan has {len(shapes)})"
+        if theirs != shapes
+        else f"its dtypes are {dtypes} and its {raw_bytes} bytes are laid out otherwise"
+    )
+    raise UpdateRefused(f"an update of fragment {fragment} is not the plan's layout at fp32 or bf16: {why}")
 
 
 def model_entries(model: torch.nn.Module) -> tuple[ModelEntry, ...]:

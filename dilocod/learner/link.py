@@ -8,7 +8,11 @@ computed in the same pass over the bytes (the session then hashes nothing). δ i
 the snapshot's own buffer, and the anchor is the update's buffer the training side applied: no
 fragment is copied here. Updates are received straight into buffers of the bridge
 (Bridge.update_buffer, the session's allocator); each buffer goes back to the bridge once this
-side is done with it (Bridge.snapshot_done when a push no longer needs its snapshot). Failures that no
+side is done with it (Bridge.snapshot_done when a push no longer needs its snapshot). An update at
+bf16 (the syncer's --update-precision) is received into a half-size buffer of the bridge and
+decoded in the push worker thread into a full-size one (precision.recast: the anchor is exactly the
+upcast of what was received), which is posted as an fp32 update is; the bf16 buffer goes back.
+An update whose manifest is not the plan's layout at fp32 or bf16 is refused and logged. Failures that no
 reconnect can fix (the syncer's model is not ours, wrong credentials, no common protocol version,
 another live learner under our id) are posted to the training thread as fatal.
 
@@ -38,10 +42,10 @@ import torch
 
 from dilocod.config import Address
 from dilocod.learner.bridge import Adopt, Bridge, Buffer, Snapshot
-from dilocod.learner.layout import PlanMismatch, check_plan
+from dilocod.learner.layout import PlanMismatch, UpdateRefused, check_plan, update_precision
 from dilocod.ops.looplag import LoopLag
 from dilocod.outer.gradient import pseudo_gradient
-from dilocod.precision import encode, tensor_views
+from dilocod.precision import encode, push_layout, recast, tensor_views
 from dilocod.transport.endpoints import connect
 from dilocod.transport.errors import HandshakeFailed, SessionClosed, TransferFailed
 from dilocod.transport.options import TransportOptions
@@ -59,7 +63,7 @@ from dilocod.transport.tuning import (
     spread_sample,
 )
 from dilocod.wire.codecs import chunk_checksums
-from dilocod.wire.errors import ErrorCode
+from dilocod.wire.errors import ErrorCode, RemoteProtocolError
 from dilocod.wire.limits import DEFAULT_LIMITS
 from dilocod.wire.manifest import ModelEntry, TensorEntry, fragment_manifest
 from dilocod.wire.messages import (
@@ -210,6 +214,10 @@ class Link:
         self._manifests: list[tuple[TensorEntry, ...]] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dilocod-push")
         self._pushes: set[asyncio.Task[None]] = set()
+        #: bf16 updates being decoded (in the push worker), and the plan each arrived under (a
+        #: decode that finishes under a newer plan is dropped, as post_plan drops older updates).
+        self._decodes: set[asyncio.Task[None]] = set()
+        self._plans = 0
         self._pushed_at: dict[int, float] = {}
         self._healing: set[int] = set()
         #: Error-feedback residuals of the lossy precisions, per fragment (push worker only).
@@ -296,7 +304,7 @@ class Link:
                         await stop.wait()
         finally:
             lag.cancel()
-            for task in list(self._pushes):
+            for task in [*self._pushes, *self._decodes]:
                 task.cancel()
             self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -377,6 +385,16 @@ class Link:
         side applies and keeps as the fragment's anchor (no copy on the way)."""
         if not isinstance(header, UpdateHeader):
             return allocate_bytearray(header)  # a syncer sends updates only; read, then ignored
+        # The plan may not be read yet (it is queued ahead of this update): its layout is checked
+        # when the update is read (_on_item); here only that it is one precision we decode.
+        dtypes = {entry.dtype for entry in header.manifest}
+        if not (dtypes <= {"float32"} or dtypes <= {"bfloat16"}):
+            message = (
+                f"an update of fragment {header.fragment} in {sorted(dtypes)}: updates travel as "
+                "float32 or bfloat16"
+            )
+            log.error("update refused", syncer=self._syncer, fragment=header.fragment, reason=message)
+            raise RemoteProtocolError(ErrorCode.BAD_MANIFEST, message)
         return self.bridge.update_buffer(header.raw_bytes)
 
     def _update_failed(self, header: StreamHeader, buffer: memoryview) -> None:
@@ -427,6 +445,7 @@ class Link:
         if plan.incarnation != self.incarnation and self.incarnation:
             log.info("new syncer incarnation: healing", old=self.incarnation, new=plan.incarnation)
         self.incarnation = self.stats.incarnation = plan.incarnation
+        self._plans += 1
         self.bridge.post_plan(plan)
         self._healing = set(range(len(plan.fragments)))
         self._residuals.clear()  # a new plan may cut the model differently
@@ -437,6 +456,17 @@ class Link:
         elif isinstance(item, FragmentReceived) and isinstance(item.header, UpdateHeader):
             header = item.header
             buffer = item.buffer  # the bridge's (update_buffer): the training side's from here on
+            try:
+                if header.fragment >= len(self._manifests):
+                    raise UpdateRefused(
+                        f"an update of fragment {header.fragment}: the plan has {len(self._manifests)}"
+                    )
+                layout = self._manifests[header.fragment]
+                precision = update_precision(header.fragment, layout, header.manifest, header.raw_bytes)
+            except UpdateRefused as exc:
+                log.error("update refused", syncer=self._syncer, fragment=header.fragment, reason=str(exc))
+                self.bridge.release(buffer)
+                return
             heal = header.fragment in self._healing
             self._healing.discard(header.fragment)
             self.stats.updates_received += 1
@@ -444,7 +474,38 @@ class Link:
             pushed = self._pushed_at.pop(header.fragment, None)
             if pushed is not None and self._loop is not None:
                 self.stats.last_push_to_update_s = self._loop.time() - pushed
-            self.bridge.post_update(Adopt(header.fragment, header.version, buffer, heal, self.incarnation))
+            adopt = Adopt(header.fragment, header.version, buffer, heal, self.incarnation)
+            if precision == "fp32":
+                self.bridge.post_update(adopt)
+                return
+            task = asyncio.ensure_future(self._decode(adopt, layout, precision))
+            self._decodes.add(task)
+            task.add_done_callback(self._decodes.discard)
+
+    async def _decode(self, adopt: Adopt, layout: tuple[TensorEntry, ...], precision: str) -> None:
+        """An update received at `precision` decoded into a float32 buffer of the bridge in the
+        push worker thread (one at a time, in arrival order: never on this loop), then posted as
+        an fp32 update is; the received buffer goes back to the bridge."""
+        received = adopt.buffer
+        shapes = [(entry.name, entry.shape) for entry in layout]
+        manifest = push_layout(shapes, precision)[0]
+        plan = self._plans
+        target = self.bridge.update_buffer(push_layout(shapes, "fp32")[1])
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                self._executor, recast, received, manifest, target, layout
+            )
+        except BaseException:
+            # Cancelled (or a bug) while the worker may still read one and write the other: neither
+            # buffer is handed out again.
+            self.bridge.update_failed(received)
+            self.bridge.update_failed(target)
+            raise
+        self.bridge.release(received)
+        if plan != self._plans:  # a newer plan came meanwhile: this update means nothing under it
+            self.bridge.release(target)
+            return
+        self.bridge.post_update(Adopt(adopt.fragment, adopt.version, target, adopt.heal, adopt.incarnation))
 
     # ------------------------------------------------------------------ outbox
 

@@ -78,7 +78,13 @@ def prepare(config: SyncerConfig, secret: bytes | None, *, tls: ssl.SSLContext |
     except PlanMismatch as exc:
         raise SetupError(f"--entry {config.entry}: {exc}") from None
     plan = plan_fragments([(s.name, s.shape) for s in specs], config.fragments)
-    model = GlobalModel(plan, specs, chunk_bytes=config.chunk, embedding_pattern=config.embedding_pattern)
+    model = GlobalModel(
+        plan,
+        specs,
+        chunk_bytes=config.chunk,
+        embedding_pattern=config.embedding_pattern,
+        update_precision=config.update_precision,
+    )
     meta: dict[str, Any] = {"fragments": plan.num_fragments, "parameters": len(specs)}
     try:
         loaded = load_latest_checkpoint(state_dir)

@@ -24,6 +24,17 @@ one slow learner (a 100 MB fragment over a thin link takes seconds) would stall 
 that fragment; copy on write costs one copy per merge (2F of memory traffic) and, while a send of
 the old version is still in flight, one fragment-sized buffer.
 
+Updates at bf16 (--update-precision). The master stays float32; only what travels is rounded
+(precision.recast, round to nearest even), with no error feedback: each round the learners re-anchor
+on what they received. A version's encoding (an Encoding: a pool buffer of half a fragment and its
+chunk checksums) is made once, in the merge worker right after the merge, and hangs on the
+snapshot, shared by every send of that version. It goes back to the pool as soon as no send reads it
+and no healed learner still waits for that version (the service says which with
+release(keep_encoding=...)), or when its snapshot goes; a later send of a version whose encoding was
+let go (a heal, a learner that reconnects) has `encode` make it again, in a worker thread, and the
+service attaches it (attach_encoding). So beyond the fp32 design, the syncer holds an encoding per
+version being sent: half a fragment each, in the room the merged pushes leave.
+
 Commit. `merge` is the one place a merged fragment replaces the old one, and it does so only when
 the new Θ_p and b_p are finite (outer.guard.l2_norm of each): otherwise the master was never
 touched (the new Θ_p went into the merge's own buffer, which goes back to the pool), b_p is
@@ -40,6 +51,7 @@ networking or logging.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -57,7 +69,7 @@ from dilocod.outer.guard import (
     check_outer_gradient,
     l2_norm,
 )
-from dilocod.precision import tensor_views
+from dilocod.precision import push_layout, recast, tensor_views
 from dilocod.syncer.buffers import Buffer, BufferPool, zeroed
 from dilocod.syncer.checkpoint import TensorPiece
 from dilocod.wire.manifest import ModelEntry, TensorEntry, fragment_manifest, piece_rows
@@ -77,6 +89,15 @@ class MergeRejected(Exception):
 
 
 @dataclass(slots=True)
+class Encoding:
+    """A version as it travels at a narrower precision: a pool buffer in the fragment's update
+    layout and its chunk checksums."""
+
+    buffer: Buffer
+    checksums: list[int]
+
+
+@dataclass(slots=True)
 class Snapshot:
     """One version of a fragment as sent: the buffer that holds it (the master while it is the
     newest), its chunk checksums and its digest (xxh3-64 of all its bytes)."""
@@ -89,6 +110,8 @@ class Snapshot:
     users: int = 0
     #: Superseded by publish: the buffer goes back to the pool when users reaches 0.
     retired: bool = False
+    #: The version at the update precision when that is not fp32, while kept (see the docstring).
+    encoding: Encoding | None = None
 
 
 @dataclass(slots=True)
@@ -109,6 +132,10 @@ class FragmentStore:
     norm: float = 0.0
     #: The newest published version, what sends acquire (moved only by publish, on the loop).
     current: Snapshot | None = None
+    #: How updates of this fragment travel: the manifest and size at the update precision (the
+    #: fp32 ones when that is fp32).
+    update_manifest: tuple[TensorEntry, ...] = ()
+    update_bytes: int = 0
 
 
 class GlobalModel:
@@ -121,8 +148,12 @@ class GlobalModel:
         *,
         chunk_bytes: int,
         embedding_pattern: str,
+        update_precision: str = "fp32",
     ) -> None:
+        if update_precision not in ("fp32", "bf16"):
+            raise ValueError(f"update precision must be fp32 or bf16, not {update_precision!r}")
         self.plan = plan
+        self.update_precision = update_precision
         self.specs = {s.name: s for s in specs}
         self.order = [s.name for s in specs]
         self.chunk_bytes = chunk_bytes
@@ -133,6 +164,10 @@ class GlobalModel:
         for fragment in plan.fragments:
             manifest, raw_bytes = fragment_manifest(fragment.pieces, shapes)
             master, momentum = zeroed(raw_bytes), zeroed(raw_bytes)
+            update_manifest, update_bytes = manifest, raw_bytes
+            if update_precision != "fp32":
+                shapes_of = [(entry.name, entry.shape) for entry in manifest]
+                update_manifest, update_bytes = push_layout(shapes_of, update_precision)
             self.fragments.append(
                 FragmentStore(
                     fragment.index,
@@ -144,6 +179,8 @@ class GlobalModel:
                     tensor_views(master, manifest),
                     tensor_views(momentum, manifest),
                     embedding_mask([piece.name for piece in fragment.pieces], embedding_pattern),
+                    update_manifest=update_manifest,
+                    update_bytes=update_bytes,
                 )
             )
 
@@ -243,6 +280,7 @@ class GlobalModel:
             old.retired = True
             if old.users == 0:
                 self.buffers.give(old.buffer)
+                self._drop_encoding(old)
 
     def acquire(self, index: int) -> Snapshot:
         """The fragment's current snapshot, lent to one send until release()."""
@@ -252,12 +290,47 @@ class GlobalModel:
         snapshot.users += 1
         return snapshot
 
-    def release(self, index: int, snapshot: Snapshot) -> None:
+    def release(self, index: int, snapshot: Snapshot, *, keep_encoding: bool = True) -> None:
+        """One send fewer reads the snapshot. keep_encoding=False: once no send reads it, its
+        encoding goes back to the pool (no learner waits for that version any more)."""
         if snapshot.users <= 0:
             raise RuntimeError(f"fragment {index}: a snapshot released more often than acquired")
         snapshot.users -= 1
-        if snapshot.retired and snapshot.users == 0:
+        if snapshot.users:
+            return
+        if snapshot.retired:
             self.buffers.give(snapshot.buffer)
+            self._drop_encoding(snapshot)
+        elif not keep_encoding:
+            self._drop_encoding(snapshot)
+
+    def attach_encoding(self, snapshot: Snapshot, encoding: Encoding) -> Encoding:
+        """Keep an encoding made by `encode` on its snapshot; the one kept there already wins (this
+        one goes back to the pool), and a snapshot that has gone keeps none. Returns the kept one."""
+        if snapshot.encoding is not None or (snapshot.retired and snapshot.users == 0):
+            self.buffers.give(encoding.buffer)
+        else:
+            snapshot.encoding = encoding
+        return snapshot.encoding if snapshot.encoding is not None else encoding
+
+    def _drop_encoding(self, snapshot: Snapshot) -> None:
+        if snapshot.encoding is not None:
+            self.buffers.give(snapshot.encoding.buffer)
+            snapshot.encoding = None
+
+    # ------------------------------------------------------------------ worker threads
+
+    def encode(self, index: int, buffer: Buffer) -> Encoding:
+        """A version's bytes (a snapshot's buffer, which nobody writes) at the update precision, in
+        a pool buffer, with its chunk checksums. Runs in a worker thread, never on the event loop."""
+        store = self.fragments[index]
+        out = self.buffers.take(store.update_bytes)
+        try:
+            recast(buffer, store.manifest, out, store.update_manifest)
+        except BaseException:
+            self.buffers.give(out)
+            raise
+        return Encoding(out, hash_fragment(out, self.chunk_bytes)[0])
 
     # ------------------------------------------------------------------ merge worker
 
@@ -350,7 +423,14 @@ class GlobalModel:
         if store.current is None:  # not published yet (a merge before publish_all): nobody reads it
             self.buffers.give(old)
         # Otherwise the old master is the current snapshot's buffer: publish() retires it.
-        return Snapshot(version, target, checksums, digest)
+        snapshot = Snapshot(version, target, checksums, digest)
+        if self.update_precision != "fp32":
+            # Once per version, here in the worker (after the backup went back to the pool: half a
+            # fragment more, not one and a half): every learner is sent this version next. The
+            # merge is committed by now; an encoding that cannot be made here is made by the sends.
+            with contextlib.suppress(Exception):
+                snapshot.encoding = self.encode(index, target)
+        return snapshot
 
 
 def rows(tensor: Tensor, piece: tuple[str, int, int]) -> Tensor:

@@ -34,7 +34,7 @@ from dilocod.ops.priority import lower_this_thread
 from dilocod.outer.guard import Verdict
 from dilocod.precision import PRECISIONS, decode, precision_of, push_layout
 from dilocod.syncer.checkpoint import CheckpointPruneError, FragmentedModel, save_fragments
-from dilocod.syncer.model import GlobalModel, MergeRejected, Snapshot, first_mismatch
+from dilocod.syncer.model import Encoding, GlobalModel, MergeRejected, Snapshot, first_mismatch
 from dilocod.syncer.rounds import Action, Merge, Push, Refusal, Release, Request, Rounds
 from dilocod.syncer.steprate import StepRates
 from dilocod.transport.endpoints import Server
@@ -168,6 +168,10 @@ class SyncerService:
         self._checkpointer = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="dilocod-checkpoint", initializer=lower_this_thread
         )
+        # Updates at bf16 of a version whose encoding was let go (heals): made again here, one at
+        # a time, never on the event loop, and shared by every send that waits for it.
+        self._encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dilocod-encode")
+        self._encoding: dict[int, tuple[Snapshot, asyncio.Future[Encoding]]] = {}
         self._tasks: asyncio.TaskGroup | None = None
         self._ticker_wake = asyncio.Event()
         self._merges: set[asyncio.Task[None]] = set()
@@ -234,6 +238,7 @@ class SyncerService:
             # The checkpointer first: a checkpoint under way still needs the merge worker.
             self._checkpointer.shutdown(wait=True, cancel_futures=True)
             self._screener.shutdown(wait=True, cancel_futures=True)
+            self._encoder.shutdown(wait=True, cancel_futures=True)
             self._executor.shutdown(wait=True, cancel_futures=True)
 
     async def checkpoint(self) -> Path:
@@ -793,18 +798,22 @@ class SyncerService:
                     self.rounds.update_done(peer.learner, index, snapshot.version, self.clock())
                     continue
                 header = UpdateHeader(
-                    store.manifest,
-                    store.raw_bytes,
+                    store.update_manifest,
+                    store.update_bytes,
                     self.config.codec,
                     self.config.chunk,
                     fragment=index,
                     version=snapshot.version,
                 )
-                await peer.session.send_fragment(header, snapshot.buffer, checksums=snapshot.checksums)
+                data, checksums = snapshot.buffer, snapshot.checksums
+                if self.model.update_precision != "fp32":
+                    encoding = await self._encoded(index, snapshot)
+                    data, checksums = encoding.buffer, encoding.checksums
+                await peer.session.send_fragment(header, data, checksums=checksums)
                 peer.sent[index] = snapshot.version
-                self.bytes_out += store.raw_bytes
+                self.bytes_out += store.update_bytes
                 if not peer.healed.is_set():
-                    heal_bytes += store.raw_bytes
+                    heal_bytes += store.update_bytes
                 failures.pop(index, None)
                 # Acknowledged: the end of this learner's part of the round's sync time (ξ_sync).
                 self.rounds.update_done(peer.learner, index, snapshot.version, self.clock())
@@ -816,7 +825,36 @@ class SyncerService:
                 else:  # given up until the next version: the round no longer waits on this send
                     self.rounds.update_done(peer.learner, index, snapshot.version, self.clock())
             finally:
-                self.model.release(index, snapshot)
+                # The encoding is kept while a healed learner still waits for this version (after
+                # a merge, every one of them): one encoding per version, shared.
+                waiting = any(index in other.pending and other.joined for other in self.peers.values())
+                self.model.release(index, snapshot, keep_encoding=waiting)
+
+    async def _encoded(self, index: int, snapshot: Snapshot) -> Encoding:
+        """The snapshot's encoding at the update precision: the one kept on it, else made in the
+        encoder thread (once for all the sends that ask meanwhile) and kept on it."""
+        if snapshot.encoding is not None:
+            return snapshot.encoding
+        pending = self._encoding.get(index)
+        if pending is None or pending[0] is not snapshot:
+            future = asyncio.get_running_loop().run_in_executor(
+                self._encoder, self.model.encode, index, snapshot.buffer
+            )
+            pending = self._encoding[index] = (snapshot, future)
+            future.add_done_callback(partial(self._encoding_made, index, snapshot))
+        # Shielded: a send cancelled meanwhile must not cancel the encoding others wait for.
+        made = await asyncio.shield(pending[1])
+        # Attached by _encoding_made before this resumed; this send's hold keeps it there.
+        return snapshot.encoding if snapshot.encoding is not None else made
+
+    def _encoding_made(self, index: int, snapshot: Snapshot, future: asyncio.Future[Encoding]) -> None:
+        """Kept on its snapshot as soon as it is made (before any waiting send resumes), whoever
+        still waits for it. A snapshot's buffer is held by the send that asked, so it is intact."""
+        if self._encoding.get(index, (None, None))[1] is future:
+            del self._encoding[index]
+        if future.cancelled() or future.exception() is not None:
+            return
+        self.model.attach_encoding(snapshot, future.result())
 
     # ------------------------------------------------------------------ status
 
@@ -880,6 +918,8 @@ class SyncerService:
             "grace_waited_s": round(rounds.grace_waited_s, 4),
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
+            # How updates travel (bytes_out counts them at it).
+            "update_precision": self.model.update_precision,
             "rejected_pushes": sum(rounds.rejected.values()),
             "rejected_by_reason": dict(rounds.rejected),
             "checkpoints_written": self.checkpoints_written,

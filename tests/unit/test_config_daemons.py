@@ -60,6 +60,7 @@ SAMPLE_VALUES: dict[str, object] = {
     "chunk": "64KiB",
     "codec": "zstd",
     "precision": "bf16",
+    "update_precision": "bf16",
     "apply": "mix",
     "mix_alpha": 0.25,
     "save_every_s": 30,

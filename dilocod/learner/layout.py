@@ -5,19 +5,20 @@ read in place and a push's bytes are written in place. A layout's params are vie
 parameters' rows: an in-place write to one writes the parameter.
 
 Checks the plan against the model before anything is trained: a learner whose parameter names or
-shapes differ from the syncer's gets a PlanMismatch naming the first difference. Must not import
-networking.
+shapes differ from the syncer's gets a PlanMismatch naming the first difference (the check itself,
+torch-free for the network process, is dilocod.learner.plancheck's; its names are also this
+module's). Must not import networking.
 """
 
 from __future__ import annotations
 
 import mmap
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from dilocod.learner.plancheck import PlanMismatch, check_plan
 from dilocod.precision import tensor_views
 from dilocod.wire.manifest import ModelEntry, TensorEntry, fragment_manifest, piece_rows
 from dilocod.wire.messages import Plan
@@ -28,10 +29,6 @@ WIRE_DTYPES: dict[torch.dtype, str] = {
     torch.bfloat16: "bfloat16",
     torch.float64: "float64",
 }
-
-
-class PlanMismatch(ValueError):
-    """The syncer's model is not this learner's model; the message names the first difference."""
 
 
 def model_entries(model: torch.nn.Module) -> tuple[ModelEntry, ...]:
@@ -98,20 +95,3 @@ def piece_view(parameter: Tensor, start: int, stop: int) -> Tensor:
     if (start, stop) == (0, piece_rows(parameter.shape)):
         return parameter
     return parameter.data[start:stop]
-
-
-def check_plan(plan: Plan, ours: Sequence[ModelEntry]) -> None:
-    theirs = {e.name: e for e in plan.model}
-    for entry in ours:
-        other = theirs.get(entry.name)
-        if other is None:
-            raise PlanMismatch(f"parameter {entry.name!r} of this learner is not in the syncer's model")
-        if other.shape != entry.shape:
-            here, there = list(entry.shape), list(other.shape)
-            raise PlanMismatch(
-                f"parameter {entry.name!r} has shape {here} at this learner, {there} at the syncer"
-            )
-    mine = {e.name for e in ours}
-    for entry in plan.model:
-        if entry.name not in mine:
-            raise PlanMismatch(f"the syncer's parameter {entry.name!r} is missing from this learner's model")

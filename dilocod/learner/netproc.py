@@ -40,6 +40,11 @@ dilocod.learner.buffers). Each fragment's anchor exists once, in the child's mem
 Beyond the anchors, the buffers in use are the updates not yet applied and the snapshots whose
 pushes are under way: about tau + 2 fragments.
 
+The child imports no torch when pushes travel as fp32 (the default): δ is numpy's (see
+dilocod.learner.delta), and nothing on its import path (this module, the Link, the transport,
+dilocod.learner.plancheck) imports torch at module level; a lossy --precision imports it for the
+encoding. torch would add about 200 MiB of memory the training process shares none of.
+
 The child ignores SIGINT and SIGTERM: it stops when the parent closes the data socket (after the
 training loop's last boundary) or dies, says goodbye to the syncer, and exits.
 """

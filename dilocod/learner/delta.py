@@ -12,13 +12,16 @@ differs: where both operands are NaN, numpy (x86: the anchor's NaN, sign and pay
 FMA kernel (θ's) keep different ones; a NaN either way, and the syncer's guard refuses the push.
 
 The lossy precisions (bf16, int8, int4: dilocod.precision, with error feedback) work on tensors:
-they import torch here, when first used, so only a learner configured for them pays for it.
+they import torch here, so only a learner configured for them pays for it; the network process
+imports it at its start (import_encoder), as importing torch takes seconds that its first push
+must not wait.
 
 Must not import torch at module level, networking, clocks or logging.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -48,6 +51,12 @@ def fragment_delta_(anchor: Buffer, theta: Buffer, out: Buffer) -> None:
             np.frombuffer(theta, dtype=np.float32),
             out=np.frombuffer(out, dtype=np.float32),
         )
+
+
+def import_encoder(precision: str) -> None:
+    """Import what encode_lossy needs at this wire precision (torch for the lossy ones) now."""
+    if precision != "fp32":
+        importlib.import_module("dilocod.precision")
 
 
 def zero_residual(manifest: tuple[TensorEntry, ...]) -> list[Tensor]:

@@ -151,5 +151,6 @@ def test_the_network_process_pushes_without_torch_at_fp32(precision: str) -> Non
         assert loaded, "a lossy precision encodes with torch: its libraries should be mapped"
         manifest = fragment_manifest(PIECES, {"w": (ROWS, COLS)})[0]
         residual = [torch.zeros(ROWS, COLS)]
-        _, expected = encode(tensor_views(bytearray(delta.numpy().tobytes()), manifest), ["w"], precision, residual)
+        views = tensor_views(bytearray(delta.numpy().tobytes()), manifest)
+        _, expected = encode(views, ["w"], precision, residual)
         assert pushed == bytes(expected)

@@ -20,7 +20,6 @@ it with it, each into a buffer it owns.
 
 from __future__ import annotations
 
-import math
 import mmap
 from collections.abc import Sequence
 
@@ -28,49 +27,11 @@ import torch
 from torch import Tensor
 
 from dilocod.outer.quantize import QuantizedTensor, dequantize, quantize_with_feedback_
-from dilocod.wire.manifest import TensorEntry, pack_manifest
+from dilocod.wire.layouts import _BITS, BLOCK_SIZE, push_layout
+from dilocod.wire.manifest import TensorEntry
 
-PRECISIONS = ("fp32", "bf16", "int8", "int4")
-BLOCK_SIZE = 64
-SCALES_SUFFIX = "#scales"
-_BITS = {"int8": 8, "int4": 4}
 #: Memory a fragment's bytes may live in (the syncer's pool lends anonymous maps).
 Buffer = bytearray | memoryview | mmap.mmap
-
-
-def push_layout(
-    shapes: Sequence[tuple[str, tuple[int, ...]]], precision: str
-) -> tuple[tuple[TensorEntry, ...], int]:
-    """The manifest and byte size of a push of these parameters at this precision."""
-    tensors: list[tuple[str, str, Sequence[int]]] = []
-    for name, shape in shapes:
-        if precision == "fp32":
-            tensors.append((name, "float32", shape))
-        elif precision == "bf16":
-            tensors.append((name, "bfloat16", shape))
-        elif precision in _BITS:
-            blocks = -(-math.prod(shape) // BLOCK_SIZE)
-            codes = blocks * BLOCK_SIZE
-            if precision == "int8":
-                tensors.append((name, "int8", [codes]))
-            else:
-                tensors.append((name, "uint8", [-(-codes // 2)]))
-            tensors.append((name + SCALES_SUFFIX, "float32", [blocks]))
-        else:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    manifest, raw_bytes = pack_manifest(tensors)
-    return tuple(manifest), raw_bytes
-
-
-def precision_of(
-    manifest: Sequence[TensorEntry], shapes: Sequence[tuple[str, tuple[int, ...]]]
-) -> str | None:
-    """Which precision's layout this manifest is (None: none of them)."""
-    for precision in PRECISIONS:
-        if tuple(manifest) == push_layout(shapes, precision)[0]:
-            return precision
-    return None
-
 
 _TORCH_DTYPES = {
     "float32": torch.float32,

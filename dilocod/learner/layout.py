@@ -5,23 +5,25 @@ read in place and a push's bytes are written in place. A layout's params are vie
 parameters' rows: an in-place write to one writes the parameter.
 
 Updates travel at fp32 (read in place) or bf16 (decoded into an fp32 buffer of this layout first):
-update_precision says which of the two layouts an update's manifest is, and refuses anything else.
+plancheck.update_precision says which of the two layouts an update's manifest is, and refuses
+anything else.
 
 Checks the plan against the model before anything is trained: a learner whose parameter names or
-shapes differ from the syncer's gets a PlanMismatch naming the first difference. Must not import
-networking.
+shapes differ from the syncer's gets a PlanMismatch naming the first difference (the check itself,
+torch-free for the network process, is dilocod.learner.plancheck's; its names are also this
+module's). Must not import networking.
 """
 
 from __future__ import annotations
 
 import mmap
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from dilocod.precision import push_layout, tensor_views
+from dilocod.learner.plancheck import PlanMismatch, check_plan
+from dilocod.precision import tensor_views
 from dilocod.wire.manifest import ModelEntry, TensorEntry, fragment_manifest, piece_rows
 from dilocod.wire.messages import Plan
 
@@ -31,39 +33,6 @@ WIRE_DTYPES: dict[torch.dtype, str] = {
     torch.bfloat16: "bfloat16",
     torch.float64: "float64",
 }
-
-
-class PlanMismatch(ValueError):
-    """The syncer's model is not this learner's model; the message names the first difference."""
-
-
-class UpdateRefused(ValueError):
-    """An update whose manifest is not its fragment's layout at fp32 or bf16: the syncer's bug."""
-
-
-#: The precisions a learner accepts updates at (a syncer's --update-precision).
-UPDATE_PRECISIONS = ("fp32", "bf16")
-
-
-def update_precision(
-    fragment: int, layout: Sequence[TensorEntry], manifest: Sequence[TensorEntry], raw_bytes: int
-) -> str:
-    """Which precision an update of a fragment travels at: its manifest and size must be the
-    plan's layout of that fragment (`layout`, fp32: same names and shapes, in order) at fp32 or
-    bf16; else UpdateRefused says how it differs."""
-    shapes = [(entry.name, entry.shape) for entry in layout]
-    for precision in UPDATE_PRECISIONS:
-        expected, size = push_layout(shapes, precision)
-        if tuple(manifest) == expected and raw_bytes == size:
-            return precision
-    dtypes = sorted({entry.dtype for entry in manifest})
-    theirs = [(entry.name, entry.shape) for entry in manifest]
-    why = (
-        f"its tensors differ from the plan's ({len(theirs)} listed, the plan has {len(shapes)})"
-        if theirs != shapes
-        else f"its dtypes are {dtypes} and its {raw_bytes} bytes are laid out otherwise"
-    )
-    raise UpdateRefused(f"an update of fragment {fragment} is not the plan's layout at fp32 or bf16: {why}")
 
 
 def model_entries(model: torch.nn.Module) -> tuple[ModelEntry, ...]:
@@ -130,20 +99,3 @@ def piece_view(parameter: Tensor, start: int, stop: int) -> Tensor:
     if (start, stop) == (0, piece_rows(parameter.shape)):
         return parameter
     return parameter.data[start:stop]
-
-
-def check_plan(plan: Plan, ours: Sequence[ModelEntry]) -> None:
-    theirs = {e.name: e for e in plan.model}
-    for entry in ours:
-        other = theirs.get(entry.name)
-        if other is None:
-            raise PlanMismatch(f"parameter {entry.name!r} of this learner is not in the syncer's model")
-        if other.shape != entry.shape:
-            here, there = list(entry.shape), list(other.shape)
-            raise PlanMismatch(
-                f"parameter {entry.name!r} has shape {here} at this learner, {there} at the syncer"
-            )
-    mine = {e.name for e in ours}
-    for entry in plan.model:
-        if entry.name not in mine:
-            raise PlanMismatch(f"the syncer's parameter {entry.name!r} is missing from this learner's model")

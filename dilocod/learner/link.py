@@ -35,17 +35,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import structlog
-import torch
 
 from dilocod.config import Address
 from dilocod.learner.bridge import Adopt, Bridge, Buffer, Snapshot
-from dilocod.learner.layout import PlanMismatch, UpdateRefused, check_plan, update_precision
+from dilocod.learner.delta import decode_update, encode_lossy, fragment_delta_, zero_residual
+from dilocod.learner.plancheck import PlanMismatch, UpdateRefused, check_plan, update_precision
 from dilocod.ops.looplag import LoopLag
-from dilocod.outer.gradient import pseudo_gradient
-from dilocod.precision import encode, push_layout, recast, tensor_views
 from dilocod.transport.endpoints import connect
 from dilocod.transport.errors import HandshakeFailed, SessionClosed, TransferFailed
 from dilocod.transport.options import TransportOptions
@@ -64,6 +62,7 @@ from dilocod.transport.tuning import (
 )
 from dilocod.wire.codecs import chunk_checksums
 from dilocod.wire.errors import ErrorCode, RemoteProtocolError
+from dilocod.wire.layouts import push_layout
 from dilocod.wire.limits import DEFAULT_LIMITS
 from dilocod.wire.manifest import ModelEntry, TensorEntry, fragment_manifest
 from dilocod.wire.messages import (
@@ -76,6 +75,9 @@ from dilocod.wire.messages import (
     UpdateHeader,
 )
 from dilocod.wire.stream import StreamHeader
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 log = structlog.get_logger("dilocod.learner")
 
@@ -164,7 +166,7 @@ def compute_push(
     manifest: tuple[TensorEntry, ...],
     chunk_bytes: int,
     precision: str = "fp32",
-    residual: list[torch.Tensor] | None = None,
+    residual: list[Tensor] | None = None,
     *,
     in_place: bool = False,
 ) -> tuple[tuple[TensorEntry, ...], Buffer, list[int]]:
@@ -174,17 +176,11 @@ def compute_push(
     if snapshot.ready is not None:
         snapshot.ready.wait()  # the push worker's thread: waiting here costs training nothing
     out: Buffer = snapshot.theta if in_place else bytearray(len(snapshot.theta))
-    if len(out):
-        # The whole fragment as one flat tensor (padding included: zero in both, zero in δ),
-        # written straight into the bytes that go on the wire.
-        theta = torch.frombuffer(snapshot.theta, dtype=torch.float32)
-        pseudo_gradient(
-            [torch.frombuffer(snapshot.anchor, dtype=torch.float32)],
-            [theta],
-            out=[theta if in_place else torch.frombuffer(out, dtype=torch.float32)],
-        )
+    # The whole fragment at once (padding included: zero in both, zero in δ), written straight
+    # into the bytes that go on the wire; torch only for a lossy precision (see learner.delta).
+    fragment_delta_(snapshot.anchor, snapshot.theta, out)
     if precision != "fp32":
-        manifest, out = encode(tensor_views(out, manifest), [e.name for e in manifest], precision, residual)
+        manifest, out = encode_lossy(out, manifest, precision, residual)
     return manifest, out, chunk_checksums(out, chunk_bytes)
 
 
@@ -221,7 +217,7 @@ class Link:
         self._pushed_at: dict[int, float] = {}
         self._healing: set[int] = set()
         #: Error-feedback residuals of the lossy precisions, per fragment (push worker only).
-        self._residuals: dict[int, list[torch.Tensor]] = {}
+        self._residuals: dict[int, list[Tensor]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._options = TransportOptions(chunk_bytes=config.chunk_bytes)
         self._meter = PushMeter(min_bytes=MIN_PERIOD_BYTES)
@@ -493,7 +489,7 @@ class Link:
         target = self.bridge.update_buffer(push_layout(shapes, "fp32")[1])
         try:
             await asyncio.get_running_loop().run_in_executor(
-                self._executor, recast, received, manifest, target, layout
+                self._executor, decode_update, received, manifest, target, layout
             )
         except BaseException:
             # Cancelled (or a bug) while the worker may still read one and write the other: neither
@@ -559,9 +555,9 @@ class Link:
         layout = self._manifests[snapshot.fragment]
         residual = None
         if self.config.precision != "fp32":
-            residual = self._residuals.setdefault(
-                snapshot.fragment, [torch.zeros(e.shape, dtype=torch.float32) for e in layout]
-            )
+            residual = self._residuals.get(snapshot.fragment)
+            if residual is None:
+                residual = self._residuals[snapshot.fragment] = zero_residual(layout)
         loop = asyncio.get_running_loop()
         work = partial(
             compute_push,

@@ -40,6 +40,11 @@ dilocod.learner.buffers). Each fragment's anchor exists once, in the child's mem
 Beyond the anchors, the buffers in use are the updates not yet applied and the snapshots whose
 pushes are under way: about tau + 2 fragments.
 
+The child imports no torch when pushes travel as fp32 (the default): δ is numpy's (see
+dilocod.learner.delta), and nothing on its import path (this module, the Link, the transport,
+dilocod.learner.plancheck) imports torch at module level; a lossy --precision imports it for the
+encoding, at the child's start. torch would add about 200 MiB of memory the training process shares none of.
+
 The child ignores SIGINT and SIGTERM: it stops when the parent closes the data socket (after the
 training loop's last boundary) or dies, says goodbye to the syncer, and exits.
 """
@@ -71,6 +76,7 @@ import structlog
 from dilocod.learner.bridge import Adopt, Bridge, Buffer, Inbox, Snapshot, StepReportItem, newer_update
 from dilocod.learner.buffers import BufferOwnershipError, BufferPool
 from dilocod.learner.control import control_from_raw, control_to_raw
+from dilocod.learner.delta import import_encoder
 
 log = structlog.get_logger("dilocod.learner")
 
@@ -1065,6 +1071,7 @@ def child(argv: Sequence[str] | None = None) -> int:
         log.error("the learner's first message is not the configuration")
         return 1
     config = decode_config(first[0][0]["config"])
+    import_encoder(config.link.precision)  # torch for a lossy precision: not in the first push
     run(_child_main(channel, side, config, first[1:]), use_uvloop=config.use_uvloop)
     return 0
 

@@ -69,9 +69,10 @@ from dilocod.outer.guard import (
     check_outer_gradient,
     l2_norm,
 )
-from dilocod.precision import push_layout, recast, tensor_views
+from dilocod.precision import recast, tensor_views
 from dilocod.syncer.buffers import Buffer, BufferPool, zeroed
 from dilocod.syncer.checkpoint import TensorPiece
+from dilocod.wire.layouts import push_layout
 from dilocod.wire.manifest import ModelEntry, TensorEntry, fragment_manifest, piece_rows
 
 

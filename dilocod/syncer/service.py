@@ -32,7 +32,7 @@ from dilocod.ops.figures import quantiles
 from dilocod.ops.looplag import LoopLag
 from dilocod.ops.priority import lower_this_thread
 from dilocod.outer.guard import Verdict
-from dilocod.precision import PRECISIONS, decode, precision_of, push_layout
+from dilocod.precision import decode
 from dilocod.syncer.checkpoint import CheckpointPruneError, FragmentedModel, save_fragments
 from dilocod.syncer.model import Encoding, GlobalModel, MergeRejected, Snapshot, first_mismatch
 from dilocod.syncer.rounds import Action, Merge, Push, Refusal, Release, Request, Rounds
@@ -42,6 +42,7 @@ from dilocod.transport.errors import SessionClosed, TransferFailed
 from dilocod.transport.options import TransportOptions
 from dilocod.transport.session import FragmentReceived, Session
 from dilocod.wire.errors import ErrorCode, RemoteProtocolError
+from dilocod.wire.layouts import PRECISIONS, precision_of, push_layout
 from dilocod.wire.messages import (
     Error,
     FragmentRequest,

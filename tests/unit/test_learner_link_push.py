@@ -1,11 +1,11 @@
 """The outer gradient a learner pushes is dilocod.outer's pseudo_gradient, the one implementation
-tests/unit/outer checks against a float64 reference: the push worker calls it on views of the
-snapshot's buffers, writing straight into the bytes that go on the wire, and the result is the
-exact difference rounded once to float32."""
+tests/unit/outer checks against a float64 reference: the push worker computes it over the
+snapshot's buffers (with numpy, dilocod.learner.delta: the same bits, tests/unit/test_learner_delta.py),
+writing straight into the bytes that go on the wire, and the result is the exact difference
+rounded once to float32."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from dilocod.learner import link
@@ -40,17 +40,10 @@ def test_push_is_the_float64_reference_rounded_once() -> None:
     assert checksums == chunk_checksums(data, CHUNK_BYTES)
 
 
-def test_push_calls_the_outer_pseudo_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[int] = []
-
-    def spy(anchor, local, out=None):  # type: ignore[no-untyped-def]
-        calls.append(len(anchor))
-        assert out is not None  # written in place, into the push's own buffer
-        return pseudo_gradient(anchor, local, out=out)
-
-    monkeypatch.setattr(link, "pseudo_gradient", spy)
+def test_push_is_the_outer_pseudo_gradient_in_place() -> None:
     anchor, theta = _fragment(1)
     manifest = tuple(pack_manifest([("w", "float32", (3001,))])[0])
-    _, data, _ = link.compute_push(_snapshot(anchor, theta), manifest, CHUNK_BYTES)
-    assert calls == [1]
-    assert bytes(data) == (anchor - theta).numpy().tobytes()
+    snapshot = _snapshot(anchor, theta)
+    _, data, _ = link.compute_push(snapshot, manifest, CHUNK_BYTES, in_place=True)
+    assert data is snapshot.theta  # written over θ: that buffer goes on the wire
+    assert bytes(data) == pseudo_gradient([anchor], [theta])[0].numpy().tobytes()

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from dilocod.outer import nesterov_step_, rda_merge
-from dilocod.precision import PRECISIONS, decode, encode, precision_of, push_layout
+from dilocod.precision import decode, encode
+from dilocod.wire.layouts import PRECISIONS, precision_of, push_layout
 
 SHAPES = [("embed.weight", (50, 8)), ("out.bias", (7,)), ("block.w", (3, 5, 9))]
 

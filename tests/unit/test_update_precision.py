@@ -12,13 +12,15 @@ import torch
 from structlog.testing import capture_logs
 
 from dilocod.learner.bridge import Bridge
-from dilocod.learner.layout import UpdateRefused, model_entries, update_precision
+from dilocod.learner.layout import model_entries
 from dilocod.learner.link import Link, LinkConfig
+from dilocod.learner.plancheck import UpdateRefused, update_precision
 from dilocod.outer import plan_fragments
-from dilocod.precision import push_layout, recast, tensor_views
+from dilocod.precision import recast, tensor_views
 from dilocod.syncer.model import GlobalModel
 from dilocod.transport.session import FragmentReceived
 from dilocod.wire.codecs import chunk_checksums
+from dilocod.wire.layouts import push_layout
 from dilocod.wire.manifest import fragment_manifest
 from dilocod.wire.messages import Plan, UpdateHeader
 

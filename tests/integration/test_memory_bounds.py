@@ -12,6 +12,11 @@ stay within the bounds bench/scale.py measures at 256M and 1B (docs/design.md §
   <= 1.0 x model bytes (the anchors) + (tau + 2) x the largest fragment + the network process's
   own interpreter.
 
+Each bound also allows SLACK_MIB per process for what is not proportional to the model (Python
+objects, the allocator's free lists): at 64M the fragment terms are 11 MB each, so the test
+catches a model-sized copy or several fragments more, not one fragment; bench/scale.py measures
+the bounds without slack at 256M and 1B.
+
 The interpreters are measured in the same test (a process that imports what the daemon imports,
 and nothing else): at 64M the bounds' fragment terms (4 fragments of 11 MB) are smaller than one
 Python process with torch, which at 1B they are not. Each bound was exceeded by a model-sized
@@ -39,17 +44,30 @@ LARGEST_FRAGMENT = MODEL_BYTES // FRAGMENTS + 4096 * 4
 OVERLAP = 2
 ROUNDS = 3 * FRAGMENTS  # every fragment merged three times, a checkpoint among them
 TIMEOUT_S = 180.0
+SLACK_MIB = 64
 KIB = 1024
 
 
+#: Reads a process's own Rss, Pss (smaps_rollup) and VmHWM in KiB, importing nothing of dilocod
+#: (dilocod.examples.scale.memory_kib would import torch into the interpreter being measured).
+_MEASURE_SELF = """
+import json
+figures = {}
+for line in open("/proc/self/smaps_rollup"):
+    key, _, rest = line.partition(":")
+    if key in ("Rss", "Pss"):
+        figures[key.lower()] = int(rest.split()[0])
+for line in open("/proc/self/status"):
+    if line.startswith("VmHWM:"):
+        figures["hwm"] = int(line.split()[1])
+print(json.dumps(figures))
+"""
+
+
 def _interpreter_kib(*modules: str, then: str = "") -> dict[str, int]:
-    """Memory (dilocod.examples.scale.memory_kib) of a fresh interpreter that imports these modules
-    and runs `then`, and nothing else."""
-    code = (
-        "import json, os, " + ", ".join(modules) + "\n" + then + "\n"
-        "from dilocod.examples.scale import memory_kib\n"
-        "print(json.dumps(memory_kib(os.getpid())))"
-    )
+    """Memory (rss, pss, hwm in KiB) of a fresh interpreter that imports these modules and runs
+    `then`, and nothing else."""
+    code = "import " + ", ".join(modules) + "\n" + then + "\n" + _MEASURE_SELF
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
@@ -122,8 +140,9 @@ def test_syncer_and_learner_memory_stay_near_their_floors(
         syncer.stop()
     m = 1
     steady = syncer_base["rss"] + (2 * MODEL_BYTES + (m + 2 + 2) * LARGEST_FRAGMENT) // KIB
-    syncer_bound = max(steady, alone["peak_rss_kib"] + MODEL_BYTES // KIB)
+    syncer_bound = max(steady, alone["peak_rss_kib"] + MODEL_BYTES // KIB) + SLACK_MIB * KIB
     learner_bound = (MODEL_BYTES + (OVERLAP + 2) * LARGEST_FRAGMENT) // KIB + child_base["pss"]
+    learner_bound += 2 * SLACK_MIB * KIB  # two processes
     overhead = peak["learner_pss"] - alone_pss
     figures = (
         f"syncer peak {syncer_hwm / KIB:.0f} MiB (bound {syncer_bound / KIB:.0f}, fixed cost "

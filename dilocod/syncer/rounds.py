@@ -16,7 +16,8 @@ service has screened it (outer.check_outer_gradient against that fragment's `nor
 fragments of different sizes are not comparable), `push_complete` records it and feeds its norm to
 that history, whatever the verdict. A push that completes after its round started merging is late:
 it is carried into the next round of the same fragment, with its weight, unless by then its base
-version is more than `staleness` versions behind.
+version is more than `staleness` versions behind (a Carry says so, and the service may keep its
+bytes out of memory for that cycle).
 
 Sync time. A round's ξ_sync sample runs from the moment it starts merging until every learner it
 asked that is still live holds the merged version: acknowledged it (or a newer one), or had its
@@ -163,7 +164,15 @@ class Release:
     reason: str
 
 
-Action = Request | Merge | Release
+@dataclass(frozen=True, slots=True)
+class Carry:
+    """This push is late: it waits for its fragment's next round (a cycle away), merged there
+    unless let go first. The service may move its bytes out of memory meanwhile (syncer.pushes)."""
+
+    push: Push
+
+
+Action = Request | Merge | Release | Carry
 
 
 @dataclass(slots=True)
@@ -486,8 +495,10 @@ class Rounds:
             carried = self._carried.setdefault(push.fragment, {})
             previous = carried.get(push.learner)
             carried[push.learner] = push
+            actions: list[Action] = [Carry(push)]
             if previous is not None:
-                return [self._release(previous, "superseded by a later push"), *self.tick(now)]
+                actions.append(self._release(previous, "superseded by a later push"))
+            return [*actions, *self.tick(now)]
         return self.tick(now)
 
     def push_failed(self, push: Push, now: float) -> list[Action]:

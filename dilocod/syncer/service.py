@@ -35,7 +35,8 @@ from dilocod.outer.guard import Verdict
 from dilocod.precision import decode
 from dilocod.syncer.checkpoint import CheckpointPruneError, FragmentedModel, save_fragments
 from dilocod.syncer.model import Encoding, GlobalModel, MergeRejected, Snapshot, first_mismatch
-from dilocod.syncer.rounds import Action, Merge, Push, Refusal, Release, Request, Rounds
+from dilocod.syncer.pushes import PushStore
+from dilocod.syncer.rounds import Action, Carry, Merge, Push, Refusal, Release, Request, Rounds
 from dilocod.syncer.steprate import StepRates
 from dilocod.transport.endpoints import Server
 from dilocod.transport.errors import SessionClosed, TransferFailed
@@ -152,8 +153,8 @@ class SyncerService:
         self.started_at = clock()
         self.step_rates = StepRates()
         self._specs = [model.specs[name] for name in model.order]
-        self._push_buffers: dict[tuple[str, int], tuple[Push, memoryview]] = {}
-        self._push_precision: dict[tuple[str, int], str] = {}
+        # Admitted pushes' bytes: in pool buffers, carried ones in files under the state directory.
+        self.pushes = PushStore(model.buffers, state_dir)
         # Screening (decode, norm) reads only push buffers: on its own thread, so a ready merge never
         # queues behind the screens of later pushes. Merges and checkpoints share the merge thread.
         # Both run at the process's CPU priority, not below it: lowered (nice +10), they got a tenth
@@ -224,7 +225,7 @@ class SyncerService:
                 log.info(
                     "stopping",
                     merges_in_flight=len(self._merges),
-                    unmerged_pushes=[[learner, index] for learner, index in sorted(self._push_buffers)],
+                    unmerged_pushes=[[learner, index] for learner, index in self.pushes.pending()],
                 )
                 for task in background:
                     task.cancel()
@@ -241,6 +242,7 @@ class SyncerService:
             self._screener.shutdown(wait=True, cancel_futures=True)
             self._encoder.shutdown(wait=True, cancel_futures=True)
             self._executor.shutdown(wait=True, cancel_futures=True)
+            self.pushes.close()
 
     async def checkpoint(self) -> Path:
         """Write a checkpoint now: in the checkpoint thread, fragment by fragment, each fragment's
@@ -536,8 +538,7 @@ class SyncerService:
             )
             raise RemoteProtocolError(_REFUSAL_CODES[refusal], f"round {header.round}: {refusal.value}")
         buffer = memoryview(self.model.buffers.take(header.raw_bytes))
-        self._push_buffers[(peer.learner, header.round)] = (push, buffer)
-        self._push_precision[(peer.learner, header.round)] = precision
+        self.pushes.hold(push, buffer, precision)
         return buffer
 
     def _peer_error(self, peer: _Peer, where: str, error: RemoteProtocolError) -> None:
@@ -561,21 +562,20 @@ class SyncerService:
     def _push_failed(self, peer: _Peer, header: StreamHeader, buffer: memoryview) -> None:
         """A push transfer that was admitted failed: forget it (its buffer may still be written)."""
         if isinstance(header, PushHeader):
-            held = self._push_buffers.pop((peer.learner, header.round), None)
-            self._push_precision.pop((peer.learner, header.round), None)
+            # Not to the pool: the transfer may still be writing into it.
+            held = self.pushes.take((peer.learner, header.round))
             if held is not None:
-                self._apply(self.rounds.push_failed(held[0], self.clock()))
+                self._apply(self.rounds.push_failed(held.push, self.clock()))
 
     def _on_push(self, peer: _Peer, item: FragmentReceived) -> None:
         header = item.header
         if not isinstance(header, PushHeader):
             return
-        held = self._push_buffers.get((peer.learner, header.round))
-        if held is None:
+        held = self.pushes.get((peer.learner, header.round))
+        if held is None or held.buffer is None:
             return
         self.bytes_in += header.raw_bytes
-        precision = self._push_precision.pop((peer.learner, header.round), "fp32")
-        self._spawn(self._screen(held[0], held[1], precision), f"screen {peer.learner}")
+        self._spawn(self._screen(held.push, held.buffer, held.precision), f"screen {peer.learner}")
 
     async def _screen(self, push: Push, buffer: memoryview, precision: str) -> None:
         history = self.rounds.norm_history[push.fragment].samples()
@@ -606,15 +606,13 @@ class SyncerService:
             # Whatever a push holds, it must not leave its buffer held and its round waiting for
             # it: a push that cannot be screened is a push that failed.
             log.error("push not screened", learner=push.learner, round=push.round_index, error=repr(exc))
-            held = self._push_buffers.pop(key, None)
-            for unused in (held[1] if held is not None else None, target):
-                if unused is not None:
-                    self._give_back(unused)
+            self.pushes.drop(key)
+            if target is not None:
+                self._give_back(target)
             self._apply(self.rounds.push_failed(push, self.clock()))
             return
-        if target is not None and self._push_buffers.get(key, (None, None))[1] is buffer:
-            self._push_buffers[key] = (push, target)
-            self._give_back(buffer)
+        if target is not None:
+            self.pushes.replace(key, target)
         if not verdict.accepted:
             log.warning(
                 "push rejected",
@@ -649,11 +647,24 @@ class SyncerService:
                     round=action.push.round_index,
                     reason=action.reason,
                 )
-                held = self._push_buffers.pop((action.push.learner, action.push.round_index), None)
-                if held is not None:
-                    self._give_back(held[1])
+                self.pushes.drop((action.push.learner, action.push.round_index))
+            elif isinstance(action, Carry):
+                self._spawn(self._carry(action.push), f"carry {action.push.learner}")
         # A new round or a new quorum may have moved the next deadline.
         self._ticker_wake.set()
+
+    async def _carry(self, push: Push) -> None:
+        """A late push waits a cycle for its fragment's next round: on disk, not in memory."""
+        problem = await self.pushes.carry((push.learner, push.round_index))
+        if problem is not None:
+            log.warning(
+                "late push kept in memory",
+                learner=push.learner,
+                fragment=push.fragment,
+                round=push.round_index,
+                directory=str(self.pushes.directory),
+                error=repr(problem),
+            )
 
     def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None] | None:
         """Run work in the service's task group; a bug in it is logged, never fatal to the daemon
@@ -682,30 +693,35 @@ class SyncerService:
 
     async def _merge(self, merge: Merge) -> None:
         started = self.clock()
-        held = [self._push_buffers.pop((p.learner, p.round_index), None) for p in merge.pushes]
-        if any(h is None for h in held):
+        taken = [self.pushes.take((p.learner, p.round_index)) for p in merge.pushes]
+        if any(h is None for h in taken):
             log.error("merge without its pushes", fragment=merge.fragment, round=merge.round_index)
+            self.pushes.discard([h for h in taken if h is not None])
             self.rounds.merge_failed(merge.round_index, self.clock())
             return
-        held = [h for h in held if h is not None]
-        # The merge takes its output and momentum backup from the pool in the worker: nothing
-        # fragment-sized is allocated or copied on the event loop.
-        run = partial(
-            self.model.merge,
-            merge.fragment,
-            [buffer for _, buffer in held],
-            merge.weights,
-            lr=self.config.outer_lr,
-            mu=self.config.outer_momentum,
-            merge=self.config.merge,
-            version=merge.version + 1,
-        )
+        held = [h for h in taken if h is not None]
+        buffers: list[memoryview] = []
+
+        def run() -> Snapshot:
+            # Carried pushes are read back here, and the merge takes its output and momentum backup
+            # from the pool here: nothing fragment-sized is allocated or copied on the event loop.
+            buffers.extend(self.pushes.load_all(held))
+            return self.model.merge(
+                merge.fragment,
+                buffers,
+                merge.weights,
+                lr=self.config.outer_lr,
+                mu=self.config.outer_momentum,
+                merge=self.config.merge,
+                version=merge.version + 1,
+            )
+
         self._merge_started[merge.round_index] = started
         try:
             snapshot: Snapshot = await asyncio.get_running_loop().run_in_executor(self._executor, run)
         except MergeRejected as exc:
             # Its pushes are not merged, counted by reason like pushes the screen rejects.
-            for _, buffer in held:
+            for buffer in buffers:
                 self._give_back(buffer)
             log.warning(
                 "merge rejected",
@@ -727,7 +743,7 @@ class SyncerService:
         # The round's sync time (ξ_sync) runs on until its learners hold this version (update_done).
         version = self.rounds.merged(merge.round_index, self.clock())
         self.model.publish(merge.fragment, snapshot)
-        for _, buffer in held:
+        for buffer in buffers:
             self._give_back(buffer)
         log.info(
             "round merged",
@@ -743,6 +759,7 @@ class SyncerService:
             tokens=[p.c_tokens for p in merge.pushes],
             steps=[p.c_steps for p in merge.pushes],
             bytes=len(held) * self.model.fragments[merge.fragment].raw_bytes,
+            read_back=sum(1 for h in held if h.buffer is None),
             grace_waited_s=round(merge.grace_waited_s, 4),
             duration_s=round(self.clock() - started, 4),
             # xxh3-64 of the new fragment's bytes, so any copy of that version can be checked.
@@ -917,6 +934,11 @@ class SyncerService:
             "rounds_abandoned": rounds.rounds_abandoned,
             "quorum_sizes": {str(k): v for k, v in sorted(rounds.quorum_sizes.items())},
             "grace_waited_s": round(rounds.grace_waited_s, 4),
+            # Pushes held (admitted, not yet merged or let go); of them, late ones whose bytes wait
+            # for their fragment's next round in files; late pushes written out so far.
+            "pushes_held": len(self.pushes.pending()),
+            "late_pushes_on_disk": self.pushes.on_disk(),
+            "late_pushes_written": self.pushes.written,
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
             # How updates travel (bytes_out counts them at it).

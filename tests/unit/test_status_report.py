@@ -5,6 +5,7 @@ authentication is told apart from a network that cannot be reached."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,7 +29,7 @@ class _Clock:
         return self.now
 
 
-def _service(clock: _Clock) -> SyncerService:
+def _service(clock: _Clock, state_dir: Path) -> SyncerService:
     module = torch.nn.Linear(4, 2)
     specs = model_entries(module)
     model = GlobalModel(
@@ -40,7 +41,14 @@ def _service(clock: _Clock) -> SyncerService:
     model.load(dict(module.named_parameters()))
     rounds = Rounds(RoundConfig(fragments=1, sync_every=1_000_000))
     return SyncerService(
-        SyncerConfig(), model, rounds, state_dir=None, incarnation="test", secret=None, meta={}, clock=clock
+        SyncerConfig(),
+        model,
+        rounds,
+        state_dir=state_dir,
+        incarnation="test",
+        secret=None,
+        meta={},
+        clock=clock,
     )  # type: ignore[arg-type]
 
 
@@ -57,9 +65,9 @@ def _learner(status: dict[str, Any], learner: str) -> dict[str, Any]:
     return next(entry for entry in status["learners"] if entry["id"] == learner)
 
 
-def test_steps_per_s_is_the_wall_clock_throughput() -> None:
+def test_steps_per_s_is_the_wall_clock_throughput(tmp_path: Path) -> None:
     clock = _Clock()
-    service = _service(clock)
+    service = _service(clock, tmp_path)
     _report_steps(service, clock, "site-a", steps=3000, every_s=1 / 29.5)
 
     entry = _learner(service.status(), "site-a")
@@ -68,9 +76,9 @@ def test_steps_per_s_is_the_wall_clock_throughput() -> None:
     assert entry["step_time_s"] == pytest.approx(1 / 109, rel=0.01)  # what it used to invert
 
 
-def test_steps_per_s_follows_a_learner_that_stopped() -> None:
+def test_steps_per_s_follows_a_learner_that_stopped(tmp_path: Path) -> None:
     clock = _Clock()
-    service = _service(clock)
+    service = _service(clock, tmp_path)
     _report_steps(service, clock, "site-a", steps=600, every_s=0.1)
     clock.now += 30.0  # half the window without a step
     assert _learner(service.status(), "site-a")["steps_per_s"] == pytest.approx(5.0, rel=0.05)
@@ -78,9 +86,9 @@ def test_steps_per_s_follows_a_learner_that_stopped() -> None:
     assert _learner(service.status(), "site-a")["steps_per_s"] == 0.0
 
 
-def test_the_table_labels_the_window() -> None:
+def test_the_table_labels_the_window(tmp_path: Path) -> None:
     clock = _Clock()
-    service = _service(clock)
+    service = _service(clock, tmp_path)
     _report_steps(service, clock, "site-a", steps=100, every_s=0.5)
     status = service.status()
     table = format_status(status)

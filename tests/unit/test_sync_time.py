@@ -6,6 +6,7 @@ fake clock and sessions whose sends the test completes."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -152,7 +153,7 @@ class _HeldSession:
         return 1
 
 
-def _service(clock: _Clock) -> SyncerService:
+def _service(clock: _Clock, state_dir: Path) -> SyncerService:
     module = torch.nn.Linear(4, 2)
     specs = model_entries(module)
     model = GlobalModel(
@@ -165,13 +166,20 @@ def _service(clock: _Clock) -> SyncerService:
     model.publish_all()
     rounds = Rounds(RoundConfig(fragments=1, sync_every=1, quorum=2))
     return SyncerService(
-        SyncerConfig(), model, rounds, state_dir=None, incarnation="test", secret=None, meta={}, clock=clock
+        SyncerConfig(),
+        model,
+        rounds,
+        state_dir=state_dir,
+        incarnation="test",
+        secret=None,
+        meta={},
+        clock=clock,
     )  # type: ignore[arg-type]
 
 
-async def _merge_and_send_back() -> float | None:
+async def _merge_and_send_back(state_dir: Path) -> float | None:
     clock = _Clock()
-    service = _service(clock)
+    service = _service(clock, state_dir)
     rounds = service.rounds
     sessions = {learner: _HeldSession() for learner in ("a", "b")}
     peers = {}
@@ -189,7 +197,7 @@ async def _merge_and_send_back() -> float | None:
     for learner in sessions:
         push = Push(learner, request.round_index, request.fragment, request.version, 1, 10)
         assert rounds.admit(push, clock()) is None
-        service._push_buffers[(learner, request.round_index)] = (push, memoryview(bytearray(raw_bytes)))
+        service.pushes.hold(push, memoryview(bytearray(raw_bytes)), "fp32")
         merges += of(Merge, rounds.push_complete(push, OK, clock()))
     (merge,) = merges
     senders = [asyncio.create_task(service._send_updates(peer)) for peer in peers.values()]
@@ -212,7 +220,7 @@ async def _merge_and_send_back() -> float | None:
         service._screener.shutdown()
 
 
-def test_the_services_sync_time_includes_sending_the_merge_back() -> None:
+def test_the_services_sync_time_includes_sending_the_merge_back(tmp_path: Path) -> None:
     """The merge itself takes no time on the fake clock; the updates are acknowledged by a 2 s and
     b 5 s after it began. ξ_sync is 5 s (it was 0: merged() ended the sample)."""
-    assert asyncio.run(_merge_and_send_back()) == pytest.approx(5.0)
+    assert asyncio.run(_merge_and_send_back(tmp_path)) == pytest.approx(5.0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -361,7 +362,7 @@ def test_load_after_publishing_is_refused() -> None:
         model.load(dict(module.named_parameters()))
 
 
-def test_the_service_counts_a_rejected_merge_and_publishes_nothing() -> None:
+def test_the_service_counts_a_rejected_merge_and_publishes_nothing(tmp_path: Path) -> None:
     """The round whose merge is not committed is dropped (abandoned), its pushes counted under
     non-finite-result, its fragment left at its version with its snapshot as it was."""
     module = torch.nn.Linear(4, 2)
@@ -375,7 +376,7 @@ def test_the_service_counts_a_rejected_merge_and_publishes_nothing() -> None:
         SyncerConfig(),
         model,
         rounds,
-        state_dir=None,
+        state_dir=tmp_path,
         incarnation="test",
         secret=None,
         meta={},
@@ -392,7 +393,7 @@ def test_the_service_counts_a_rejected_merge_and_publishes_nothing() -> None:
         verdict = model.screen(0, buffer, [], max_norm_ratio=10.0, steps=1)
         assert verdict.accepted
         (merge,) = [a for a in rounds.push_complete(push, verdict, 0.0) if isinstance(a, Merge)]
-        service._push_buffers[("a", request.round_index)] = (push, memoryview(buffer))
+        service.pushes.hold(push, memoryview(buffer), "fp32")
         with capture_logs() as logs:
             asyncio.run(service._merge(merge))
     finally:
@@ -404,7 +405,9 @@ def test_the_service_counts_a_rejected_merge_and_publishes_nothing() -> None:
     assert service.status()["rejected_by_reason"] == {NON_FINITE_RESULT: 1}
 
 
-def test_a_push_that_cannot_be_screened_fails_and_frees_its_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_push_that_cannot_be_screened_fails_and_frees_its_buffer(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """Screening raising (a bug, or bytes no decoder expected) used to end in an "internal error"
     that kept the push's buffer held for good and its round waiting: now the push failed, its
     buffer goes back to the pool, and its round stops waiting for it."""
@@ -418,7 +421,7 @@ def test_a_push_that_cannot_be_screened_fails_and_frees_its_buffer(monkeypatch: 
         SyncerConfig(),
         model,
         rounds,
-        state_dir=None,
+        state_dir=tmp_path,
         incarnation="test",
         secret=None,
         meta={},
@@ -436,7 +439,7 @@ def test_a_push_that_cannot_be_screened_fails_and_frees_its_buffer(monkeypatch: 
         push = Push("a", request.round_index, 0, request.version, 4, 400)
         assert rounds.admit(push, 0.0) is None
         buffer = _push(model, 0, 0.5)
-        service._push_buffers[("a", request.round_index)] = (push, memoryview(buffer))
+        service.pushes.hold(push, memoryview(buffer), "fp32")
         with capture_logs() as logs:
             asyncio.run(service._screen(push, memoryview(buffer), "fp32"))
     finally:
@@ -445,7 +448,7 @@ def test_a_push_that_cannot_be_screened_fails_and_frees_its_buffer(monkeypatch: 
     assert [entry["error"] for entry in logs if entry["event"] == "push not screened"] == [
         "ValueError('no decoder expected these bytes')"
     ]
-    assert service._push_buffers == {}
+    assert service.pushes.pending() == []
     assert model.buffers.idle == 1 and model.buffers.take(len(buffer)) is buffer
     # Its only learner's push failed: the round waits for nobody and ends without a merge.
     assert request.round_index not in rounds._open and rounds.rounds_abandoned == 1

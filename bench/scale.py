@@ -13,8 +13,11 @@ Recorded per size, next to what bounds it in the same run:
   1 x model + (tau + 2) x largest fragment;
 - fragments and their imbalance (largest / mean);
 - rounds due (by the syncer's clock), merged, abandoned and skipped;
-- merge time per fragment against the fused memory-bandwidth bound ((2M + 4) x F bytes at the
-  rate an in-place torch.add reaches here, single thread);
+- merge time per fragment (the merge worker's own, without waiting for it) against the fused
+  memory-bandwidth bound ((2M + 4) x F bytes at the
+  rate an in-place torch.add reaches here, single thread), that rate measured alone before the
+  run and again every BOUND_EVERY_S during it (the same cores, shared with the learners as the
+  merge worker shares them; the ratio against the in-run rate is dilocod's own cost);
 - heal time of each learner (joined to healed) against the raw loopback rate of
   `dilocod bench loopback` measured in the same run;
 - event-loop lag p50/p99/max of the syncer (and of the learners' network loops where they say);
@@ -34,6 +37,7 @@ import json
 import os
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,6 +56,8 @@ from dilocod.outer.plan import plan_module
 HERE = Path(__file__).resolve().parent
 DILOCOD = [sys.executable, "-m", "dilocod"]
 SAMPLE_EVERY_S = 0.5
+#: The fused bound's rate is measured again this often during a run.
+BOUND_EVERY_S = 15.0
 FRAGMENTS, SYNC_EVERY, OVERLAP = 24, 24, 2
 DEFAULT_RUNS = "64M:2:6,256M:2:6,1B:1:1"
 SIZES = {"64M": 4, "256M": 15, "1B": 60}
@@ -159,15 +165,16 @@ def raw_loopback_gbps() -> float:
     return float(json.loads(out.stdout)["raw_gbps"])
 
 
-def add_bandwidth_gbs(fragment_bytes: int) -> float:
-    """Bytes per second an in-place torch.add moves over a fragment (3 x F), one thread, best of 5."""
+def add_bandwidth_gbs(fragment_bytes: int, repeats: int = 5) -> float:
+    """Bytes per second an in-place torch.add moves over a fragment (3 x F), one thread, best of
+    `repeats`."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         n = max(1, fragment_bytes // 4)
         a, b = torch.ones(n), torch.ones(n)
         best = float("inf")
-        for _ in range(5):
+        for _ in range(repeats):
             started = time.perf_counter()
             a.add_(b)
             best = min(best, time.perf_counter() - started)
@@ -271,8 +278,18 @@ def run_size(
                 proc.sample()
             stop_sampling.wait(SAMPLE_EVERY_S)  # the sampling period
 
+    in_run_bandwidth: list[float] = []
+
+    def bound_sampler() -> None:
+        # The bound again while the daemons run: the merge worker shares these cores with the
+        # learners, and so does this. Best of 3 per sample, one sample every BOUND_EVERY_S.
+        while not stop_sampling.wait(BOUND_EVERY_S):
+            in_run_bandwidth.append(add_bandwidth_gbs(largest, repeats=3))
+
     thread = threading.Thread(target=sampler, daemon=True)
     thread.start()
+    bound_thread = threading.Thread(target=bound_sampler, daemon=True)
+    bound_thread.start()
     started_at = time.time()
     try:
         assert syncer.stdout is not None
@@ -336,11 +353,13 @@ def run_size(
     finally:
         stop_sampling.set()
         thread.join()
+        bound_thread.join()
         for proc in procs:
             if proc.popen.poll() is None:
                 proc.popen.kill()
                 proc.popen.wait()
-    figures = (alone, bandwidth, disk, raw_gbps, model_bytes, largest, m, started_at, network)
+    in_run = statistics.median(in_run_bandwidth) if in_run_bandwidth else bandwidth
+    figures = (alone, bandwidth, in_run, disk, raw_gbps, model_bytes, largest, m, started_at, network)
     return summarize(run, status, plan, *figures)
 
 
@@ -350,6 +369,7 @@ def summarize(
     plan: Any,
     alone: dict[str, int],
     bandwidth_gbs: float,
+    in_run_bandwidth_gbs: float,
     disk_gbs: float,
     raw_gbps: float,
     model_bytes: int,
@@ -362,13 +382,17 @@ def summarize(
     lines = log_lines(syncer.log)
     merges = [line for line in lines if line.get("event") == "round merged"]
     merge_s = [float(line["duration_s"]) for line in merges]
-    ratios = []
-    for line in merges:
-        contributors = max(1, len(line.get("contributors", [])))
-        fragment_bytes = int(line.get("bytes", 0)) // contributors
-        bound_s = (2 * contributors + 4) * fragment_bytes / (bandwidth_gbs * 1e9)
-        if bound_s > 0:
-            ratios.append(float(line["duration_s"]) / bound_s)
+    # The worker's own time (older syncers logged only the total, waits for the worker included).
+    worker_s = [float(line.get("worker_s", line["duration_s"])) for line in merges]
+    ratios, in_run_ratios = [], []
+    for line, work_s in zip(merges, worker_s, strict=True):
+        # Pushes, not learners: a late push merged beside its learner's own answer is one more.
+        pushes = max(1, len(line.get("push_rounds", line.get("contributors", []))))
+        fragment_bytes = int(line.get("bytes", 0)) // pushes
+        traffic = (2 * pushes + 4) * fragment_bytes
+        if traffic > 0:
+            ratios.append(work_s / (traffic / (bandwidth_gbs * 1e9)))
+            in_run_ratios.append(work_s / (traffic / (in_run_bandwidth_gbs * 1e9)))
     checkpoints = [line for line in lines if line.get("event") == "checkpoint"]
     clock = int(status.get("clock", 0))
     due = clock * plan.num_fragments // SYNC_EVERY
@@ -419,8 +443,12 @@ def summarize(
         "rounds_skipped": max(0, due - merged - abandoned),
         "merged_share": round(merged / due, 4) if due else 0.0,
         "merge_s": quantiles(merge_s),
+        "merge_worker_s": quantiles(worker_s),
         "merge_over_bound": quantiles(ratios),
+        "merge_over_bound_in_run": quantiles(in_run_ratios),
         "add_bandwidth_gbs": round(bandwidth_gbs, 2),
+        "add_bandwidth_in_run_gbs": round(in_run_bandwidth_gbs, 2),
+        "late_pushes_written": status.get("late_pushes_written"),
         "heal_s": [round(s, 2) for s in heals],
         "heal_gbps": [round(g, 2) for g in heal_gbps],
         "raw_loopback_gbps": raw_gbps,
@@ -471,8 +499,18 @@ def table(results: list[dict[str, Any]]) -> str:
             ),
         ),
         ("merged share", lambda r: fmt(r["merged_share"])),
-        ("merge s p50 / p99 / max", lambda r: fmt(r["merge_s"])),
-        ("merge / fused bound p50 / p99 / max", lambda r: fmt(r["merge_over_bound"])),
+        ("merge s (ready to merged) p50 / p99 / max", lambda r: fmt(r["merge_s"])),
+        ("of which the merge worker's, s", lambda r: fmt(r.get("merge_worker_s", "-"))),
+        ("merge / fused bound alone p50 / p99 / max", lambda r: fmt(r["merge_over_bound"])),
+        (
+            "merge / fused bound in the run p50 / p99 / max",
+            lambda r: fmt(r.get("merge_over_bound_in_run", "-")),
+        ),
+        (
+            "torch.add GB/s alone / in the run",
+            lambda r: f"{r['add_bandwidth_gbs']} / {r.get('add_bandwidth_in_run_gbs', '-')}",
+        ),
+        ("late pushes written out", lambda r: fmt(r.get("late_pushes_written", "-"))),
         (
             "heal s (Gbit/s; / raw loopback)",
             lambda r: f"{fmt(r['heal_s'])} ({fmt(r['heal_gbps'])}; {fmt(r['heal_over_raw'])})",

@@ -42,11 +42,24 @@ def check_state(params: Sequence[Tensor], momentum: Sequence[Tensor], like: Sequ
             raise TypeError(f"tensor {t}: parameter {p.dtype}, momentum {b.dtype}, delta {d.dtype}")
 
 
-def nesterov_block_(p: Tensor, d: Tensor, b: Tensor, g: Tensor, lr: float, mu: float) -> None:
-    """One block of the step; g is scratch of the block's shape (SGD's temporary gradient)."""
-    b.mul_(mu).add_(d)
-    torch.add(d, b, alpha=mu, out=g)
-    p.add_(g, alpha=-lr)
+def nesterov_block_(
+    p: Tensor,
+    d: Tensor,
+    b: Tensor,
+    g: Tensor,
+    lr: float,
+    mu: float,
+    p_out: Tensor | None = None,
+    b_out: Tensor | None = None,
+) -> None:
+    """One block of the step; g is scratch of the block's shape (SGD's temporary gradient). The
+    new θ and b go to p_out and b_out when given (p and b are then only read), else in place: the
+    same ops either way, so the same bits."""
+    p_out = p if p_out is None else p_out
+    b_out = b if b_out is None else b_out
+    torch.mul(b, mu, out=b_out).add_(d)
+    torch.add(d, b_out, alpha=mu, out=g)
+    torch.add(p, g, alpha=-lr, out=p_out)
 
 
 def nesterov_step_(

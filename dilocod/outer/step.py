@@ -52,6 +52,17 @@ from dilocod.outer.nesterov import check_state, check_step, nesterov_block_
 MERGES = ("rda", "mean")
 
 
+#: Per-block squared norms of the new θ and b, while the blocks are in cache (None: not asked).
+_Sums = tuple[list[Tensor], list[Tensor]] | None
+
+
+def _accumulate(sums: _Sums, p_block: Tensor, b_block: Tensor) -> None:
+    if sums is not None:
+        p_flat, b_flat = p_block.reshape(-1), b_block.reshape(-1)
+        sums[0].append(torch.dot(p_flat, p_flat))
+        sums[1].append(torch.dot(b_flat, b_flat))
+
+
 def _single_pass_(
     p: Tensor,
     b: Tensor,
@@ -62,24 +73,38 @@ def _single_pass_(
     mu: float,
     scratch: Scratch,
     block_numel: int,
+    p_out: Tensor,
+    b_out: Tensor,
+    sums: _Sums,
 ) -> None:
     """Δ = scale · Σ ratios · δ formed block by block in cache and stepped at once."""
     if merge.kind == "copy":
-        for pb, db, bb in blocks([p, deltas[merge.terms[0]], b], block_numel):
-            nesterov_block_(pb, db, bb, scratch.like(pb), lr, mu)
+        for pb, db, bb, pob, bob in blocks([p, deltas[merge.terms[0]], b, p_out, b_out], block_numel):
+            nesterov_block_(pb, db, bb, scratch.like(pb), lr, mu, pob, bob)
+            _accumulate(sums, pob, bob)
         return
     sources = [deltas[m] for m in merge.terms]
-    for pb, bb, *src in blocks([p, b, *sources], block_numel):
+    for pb, bb, pob, bob, *src in blocks([p, b, p_out, b_out, *sources], block_numel):
         o = scratch.like(pb)
         torch.add(src[0], src[1], alpha=merge.ratios[1], out=o)
         for d, ratio in zip(src[2:], merge.ratios[2:], strict=True):
             o.add_(d, alpha=ratio)
         o.mul_(scale)
-        nesterov_block_(pb, o, bb, scratch.like(pb, 1), lr, mu)
+        nesterov_block_(pb, o, bb, scratch.like(pb, 1), lr, mu, pob, bob)
+        _accumulate(sums, pob, bob)
 
 
 def _scaled_step_(
-    p: Tensor, u: Tensor, b: Tensor, scale: float, lr: float, mu: float, block_numel: int
+    p: Tensor,
+    u: Tensor,
+    b: Tensor,
+    scale: float,
+    lr: float,
+    mu: float,
+    block_numel: int,
+    p_out: Tensor,
+    b_out: Tensor,
+    sums: _Sums,
 ) -> None:
     """nesterov_step_ with Δ = scale · u, u left as it is (so it is not written back to memory).
 
@@ -88,10 +113,11 @@ def _scaled_step_(
     merge's time), equal to them within a few float32 roundings but not bit for bit (the fused
     add rounds s·u and μ·b + s·u once where the two calls round each; tests/unit/outer).
     """
-    for pb, ub, bb in blocks([p, u, b], block_numel):
-        bb.mul_(mu).add_(ub, alpha=scale)
-        pb.add_(bb, alpha=-lr * mu)
-        pb.add_(ub, alpha=-lr * scale)
+    for pb, ub, bb, pob, bob in blocks([p, u, b, p_out, b_out], block_numel):
+        torch.mul(bb, mu, out=bob).add_(ub, alpha=scale)
+        torch.add(pb, bob, alpha=-lr * mu, out=pob)
+        pob.add_(ub, alpha=-lr * scale)
+        _accumulate(sums, pob, bob)
 
 
 def _consumable(pivot: Tensor, deltas: Contributions, merge: TensorMerge) -> bool:
@@ -127,8 +153,10 @@ def outer_step_(
     scratch: Sequence[Tensor] | None = None,
     block_numel: int | None = None,
     consume_deltas: bool = False,
-) -> None:
-    """Merge (rda_merge or mean_merge) and apply nesterov_step_ in place, in fewer memory passes.
+    out: tuple[Sequence[Tensor], Sequence[Tensor]] | None = None,
+    want_norms: bool = False,
+) -> tuple[float, float] | None:
+    """Merge (rda_merge or mean_merge) and apply nesterov_step_, in fewer memory passes.
 
     params and momentum are the fragment's float32 global parameters and Nesterov buffers.
     scratch, contiguous float32 tensors shaped like the deltas, holds u' for RDA tensors; pass
@@ -138,6 +166,14 @@ def outer_step_(
     values are undefined afterwards). In the rare fallback from RDA to the weighted mean (‖u‖ ≈ 0)
     the consumed contribution is rebuilt from u' first, so that tensor's result then equals the
     unconsumed one to rounding instead of bit for bit.
+
+    out=(new_params, new_momentum), contiguous float32 tensors shaped like params: the results go
+    there and params and momentum are only read (a caller that commits a step only once it is known
+    good keeps the old state with no copy of it); the same ops, so the same bits as in place.
+    want_norms=True returns (‖θ'‖², ‖b'‖²) of the result, from float32 dot products of each block
+    while it is in cache, summed in float64: no pass over memory of their own. A block whose squares
+    overflow float32 (values above about 1e19) makes its sum infinite though every value is finite;
+    a caller that must tell those apart checks again (outer.guard.l2_norm).
     """
     if merge not in MERGES:
         raise ValueError(f"merge must be one of {MERGES}, got {merge!r}")
@@ -148,16 +184,26 @@ def outer_step_(
     check_state(params, momentum, reference)
     if scratch is not None:
         check_outputs(scratch, reference, "scratch")
+    if out is None:
+        params_out, momentum_out = params, momentum
+    else:
+        params_out, momentum_out = out
+        check_outputs(params_out, reference, "out parameter")
+        check_outputs(momentum_out, reference, "out momentum")
+    sums: _Sums = ([], []) if want_norms else None
     block_scratch = Scratch(block_capacity(params, block_numel))
     with torch.no_grad():
         for t in range(count):
             p, b = params[t], momentum[t]
+            p_out, b_out = params_out[t], momentum_out[t]
             deltas = {m: deltas_per_learner[m][t] for m in active}
             use_rda = merge == "rda" and not is_embedding_at(is_embedding, t)
             plan = plan_tensor(deltas, active, weights, use_rda, block_numel)
             if plan.kind != "rda":
                 scale = 1.0 if plan.scale is None else plan.scale
-                _single_pass_(p, b, deltas, plan, scale, lr, mu, block_scratch, block_numel)
+                _single_pass_(
+                    p, b, deltas, plan, scale, lr, mu, block_scratch, block_numel, p_out, b_out, sums
+                )
                 continue
             pivot = deltas[plan.terms[0]]
             consumed = consume_deltas and _consumable(pivot, deltas, plan)
@@ -174,6 +220,15 @@ def outer_step_(
                     _rebuild_pivot_(u, deltas, plan, block_numel)
                 mean = mean_combination(active, weights)
                 mean_scale = 1.0 if mean.scale is None else mean.scale
-                _single_pass_(p, b, deltas, mean, mean_scale, lr, mu, block_scratch, block_numel)
+                _single_pass_(
+                    p, b, deltas, mean, mean_scale, lr, mu, block_scratch, block_numel, p_out, b_out, sums
+                )
                 continue
-            _scaled_step_(p, u, b, rda_scale, lr, mu, block_numel)
+            _scaled_step_(p, u, b, rda_scale, lr, mu, block_numel, p_out, b_out, sums)
+    if sums is None:
+        return None
+    return _total(sums[0]), _total(sums[1])
+
+
+def _total(parts: list[Tensor]) -> float:
+    return float(torch.stack(parts).to(torch.float64).sum()) if parts else 0.0

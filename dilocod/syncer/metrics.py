@@ -42,6 +42,14 @@ def render_syncer_metrics(status: dict[str, Any]) -> str:
     registry.counter("dilocod_rounds_abandoned_total", "Rounds dropped without a merge.").inc(
         status["rounds_abandoned"]
     )
+    skipped = registry.counter(
+        "dilocod_rounds_skipped_total", "Rounds due but not opened, by reason.", ("reason",)
+    )
+    for reason, count in status["rounds_skipped"].items():
+        skipped.labels(reason=reason).inc(count)
+    registry.gauge(
+        "dilocod_late_pushes_on_disk", "Late pushes waiting for their next round in files."
+    ).set(status["late_pushes_on_disk"])
     quorum = registry.counter(
         "dilocod_rounds_by_quorum_size_total", "Merged rounds by contributors.", ("size",)
     )

@@ -10,7 +10,7 @@ between whole parameters and pieces.
 
 Buffers. The steady state holds Θ and b (one master and one momentum buffer per fragment) and
 fragment-sized buffers from one bounded pool (syncer.buffers): a push per contributing learner,
-and per merge its output and a momentum backup. Nothing else holds a copy of the model.
+and per merge its two outputs (the new Θ_p and b_p). Nothing else holds a copy of the model.
 
 Snapshots: copy on merge, never in place. What learners are sent is the master itself: a
 Snapshot names the buffer that holds a version with its chunk checksums (hashed once, for every
@@ -18,11 +18,13 @@ learner it is sent to) and counts the sends reading it. A merge never writes the
 it copies Θ_p into a pool buffer and steps that copy, which becomes the master when committed. So
 a send of the old version goes on reading bytes nobody writes (a learner never receives a
 half-merged fragment), a heal or idle send needs no copy at all, and the old master goes back to
-the pool as soon as its last send is done (at once when none is reading it). The other
+the pool as soon as its last send is done (at once when none is reading it). The step reads Θ_p
+and b_p and writes the new ones into pool buffers (outer_step_'s out=), so nothing is copied
+before it. The other
 discipline, merging in place and making a merge wait while a send reads the master, was rejected:
 one slow learner (a 100 MB fragment over a thin link takes seconds) would stall every merge of
-that fragment; copy on write costs one copy per merge (2F of memory traffic) and, while a send of
-the old version is still in flight, one fragment-sized buffer.
+that fragment; stepping into new buffers costs no traffic beyond the step's own and, while a send
+of the old version is still in flight, one fragment-sized buffer.
 
 Updates at bf16 (--update-precision). The master stays float32; only what travels is rounded
 (precision.recast, round to nearest even), with no error feedback: each round the learners re-anchor
@@ -36,10 +38,10 @@ service attaches it (attach_encoding). So beyond the fp32 design, the syncer hol
 version being sent: half a fragment each, in the room the merged pushes leave.
 
 Commit. `merge` is the one place a merged fragment replaces the old one, and it does so only when
-the new Θ_p and b_p are finite (outer.guard.l2_norm of each): otherwise the master was never
-touched (the new Θ_p went into the merge's own buffer, which goes back to the pool), b_p is
-copied back from the backup the merge took into a pool buffer first, and MergeRejected says why;
-nothing is published. No persistent copy is needed for that.
+the new Θ_p and b_p are finite (their squared norms, summed from the step's own blocks; where
+float32 squares overflow, outer.guard.l2_norm of the values decides): otherwise Θ_p and b_p were
+never written (the new ones went into the merge's own buffers, which go back to the pool), and
+MergeRejected says why; nothing is published. No copy or backup is needed for that.
 
 Threads. `merge` runs in the syncer's one merge worker thread, one at a time; it only touches the
 fragment it is given and buffers it takes from the pool; it replaces the master and its views but
@@ -374,26 +376,24 @@ class GlobalModel:
         merge: str,
         version: int,
     ) -> Snapshot:
-        """Merge the pushes and take the Nesterov step into a copy of Θ_p (b_p in place), commit
-        the copy as the master at `version` and hash it: the snapshot to publish. The pushes'
-        contents are consumed.
+        """Merge the pushes and take the Nesterov step from Θ_p and b_p into two pool buffers,
+        commit them as the new master and momentum at `version` and hash the master: the snapshot
+        to publish. The pushes' contents are consumed.
 
         Raises MergeRejected, with Θ_p, b_p and the version as they were, when the new Θ_p or b_p
         holds a non-finite value (see the module docstring, Commit)."""
         store = self.fragments[index]
         target = self.buffers.take(store.raw_bytes)
-        backup = self.buffers.take(store.raw_bytes)
-        backed_up = False
+        momentum = self.buffers.take(store.raw_bytes)
         try:
-            _copy_bytes(store.master, target)
-            _copy_bytes(store.momentum, backup)
-            backed_up = True
             params = tensor_views(target, store.manifest)
+            momentum_views = tensor_views(momentum, store.manifest)
             # The pushes are the syncer's own buffers, back to the pool right after: the merge may
             # write its intermediate direction into one of them instead of a scratch buffer, which
-            # saves a fragment-sized write and read per round (bench/RESULTS.md §3).
-            outer_step_(
-                params,
+            # saves a fragment-sized write and read per round (bench/RESULTS.md §3). Θ_p and b_p
+            # are only read; their squared norms come from the step's own blocks.
+            norms = outer_step_(
+                store.params,
                 store.momentum_views,
                 [self.deltas(index, buffer) for buffer in pushes],
                 weights,
@@ -402,22 +402,29 @@ class GlobalModel:
                 merge=merge,
                 is_embedding=store.is_embedding,
                 consume_deltas=True,
+                out=(params, momentum_views),
+                want_norms=True,
             )
-            norm = l2_norm(params)
-            if not (math.isfinite(norm) and math.isfinite(l2_norm(store.momentum_views))):
-                raise MergeRejected(
-                    NON_FINITE_RESULT,
-                    f"fragment {index}: the merge for version {version} gave non-finite parameters or "
-                    f"momentum; not committed, the fragment stays at version {store.version}",
-                )
+            assert norms is not None
+            norm = math.sqrt(norms[0])
+            if not (math.isfinite(norm) and math.isfinite(norms[1])):
+                # float32 squares overflow above about 1e19 though the values are finite: decide
+                # on the values themselves (a pass over each, only in this rare case).
+                norm = l2_norm(params)
+                if not (math.isfinite(norm) and math.isfinite(l2_norm(momentum_views))):
+                    raise MergeRejected(
+                        NON_FINITE_RESULT,
+                        f"fragment {index}: the merge for version {version} gave non-finite "
+                        f"parameters or momentum; not committed, the fragment stays at version "
+                        f"{store.version}",
+                    )
         except BaseException:
-            # Rejected, or failed part way (a bug): b_p goes back to what it was, Θ_p never moved.
-            if backed_up:
-                _copy_bytes(backup, store.momentum)
+            # Rejected, or failed part way (a bug): Θ_p and b_p were never written.
             self.buffers.give(target)
+            self.buffers.give(momentum)
             raise
-        finally:
-            self.buffers.give(backup)
+        old_momentum, store.momentum, store.momentum_views = store.momentum, momentum, momentum_views
+        self.buffers.give(old_momentum)
         checksums, digest = hash_fragment(target, self.chunk_bytes)
         old = store.master
         store.master, store.params, store.version, store.norm = target, params, version, norm
@@ -426,8 +433,8 @@ class GlobalModel:
         # Otherwise the old master is the current snapshot's buffer: publish() retires it.
         snapshot = Snapshot(version, target, checksums, digest)
         if self.update_precision != "fp32":
-            # Once per version, here in the worker (after the backup went back to the pool: half a
-            # fragment more, not one and a half): every learner is sent this version next. The
+            # Once per version, here in the worker (after the old momentum went back to the pool:
+            # half a fragment more, not one and a half): every learner is sent this version next. The
             # merge is committed by now; an encoding that cannot be made here is made by the sends.
             with contextlib.suppress(Exception):
                 snapshot.encoding = self.encode(index, target)

@@ -66,6 +66,12 @@ MAX_GONE_LEARNERS = 1024
 #: Lock-step: the shortest time a round waits for a learner it asked that has not answered (the
 #: others stand still meanwhile; a learner gives up on a merge after its --join-timeout-s).
 LOCKSTEP_MIN_WAIT_S = 30.0
+#: Decoupled rounds that fall due while this many rounds wait for (or are in) the service's merge
+#: worker are skipped: their fragments sync at their next turn. Each queued round holds up to M
+#: fragment-sized pushes, so a syncer whose merges cannot keep up with the schedule (too few
+#: cores) holds a bounded backlog, not a growing one; the learners train on, and their next pushes
+#: carry the steps. Lock-step skips no round.
+MAX_MERGES_BEHIND = 2
 #: Lateness samples (steps between a round's due step and a learner's snapshot or apply) kept per
 #: learner for the status's median and p99.
 LATENESS_SAMPLES = 1024
@@ -293,6 +299,9 @@ class Rounds:
         self.norm_history: defaultdict[int, NormHistory] = defaultdict(NormHistory)
         self.rounds_merged = 0
         self.rounds_abandoned = 0
+        #: Rounds not opened: their fragment's previous round was still open ("busy"), or the merge
+        #: worker was MAX_MERGES_BEHIND rounds behind ("merges-behind").
+        self.rounds_skipped: Counter[str] = Counter()
         self.quorum_sizes: Counter[int] = Counter()
         self.grace_waited_s = 0.0
         self.rejected: Counter[str] = Counter()
@@ -529,9 +538,14 @@ class Rounds:
             openings = open_rounds(
                 self.clock, self.next_round, busy, self.config.sync_every, self.config.fragments
             )
+        behind = sum(1 for rnd in self._open.values() if rnd.state is RoundState.MERGING)
         for opening in openings:
             self.next_round = opening.round_index + 1
             if opening.skipped:
+                self.rounds_skipped["busy"] += 1
+                continue
+            if behind >= MAX_MERGES_BEHIND and not self.config.lockstep:
+                self.rounds_skipped["merges-behind"] += 1
                 continue
             rnd = _Round(
                 opening.round_index,

@@ -701,20 +701,17 @@ class SyncerService:
             return
         held = [h for h in taken if h is not None]
         buffers: list[memoryview] = []
+        worked: list[float] = []  # when the worker began and ended this merge
 
         def run() -> Snapshot:
             # Carried pushes are read back here, and the merge takes its output and momentum backup
             # from the pool here: nothing fragment-sized is allocated or copied on the event loop.
-            buffers.extend(self.pushes.load_all(held))
-            return self.model.merge(
-                merge.fragment,
-                buffers,
-                merge.weights,
-                lr=self.config.outer_lr,
-                mu=self.config.outer_momentum,
-                merge=self.config.merge,
-                version=merge.version + 1,
-            )
+            worked.append(time.perf_counter())
+            try:
+                buffers.extend(self.pushes.load_all(held))
+                return self._merged(merge, buffers)
+            finally:
+                worked.append(time.perf_counter())
 
         self._merge_started[merge.round_index] = started
         try:
@@ -762,6 +759,9 @@ class SyncerService:
             read_back=sum(1 for h in held if h.buffer is None),
             grace_waited_s=round(merge.grace_waited_s, 4),
             duration_s=round(self.clock() - started, 4),
+            # Of that, the merge worker's own time (reading carried pushes back, merging, stepping,
+            # hashing); the rest waited for the worker (a checkpoint's copies, earlier merges).
+            worker_s=round(worked[-1] - worked[0], 4),
             # xxh3-64 of the new fragment's bytes, so any copy of that version can be checked.
             digest=f"{snapshot.digest:016x}",
         )
@@ -770,14 +770,26 @@ class SyncerService:
             peer.wake.set()
         self._ticker_wake.set()
 
+    def _merged(self, merge: Merge, pushes: list[memoryview]) -> Snapshot:
+        """The merge itself, in the merge worker."""
+        return self.model.merge(
+            merge.fragment,
+            pushes,
+            merge.weights,
+            lr=self.config.outer_lr,
+            mu=self.config.outer_momentum,
+            merge=self.config.merge,
+            version=merge.version + 1,
+        )
+
     def _give_back(self, buffer: memoryview) -> None:
         """A push buffer (or a decoded push) back to the model's pool, which keeps a bounded count
         of idle buffers across sizes for reuse (syncer.buffers)."""
         self.model.buffers.give(buffer.obj)  # type: ignore[arg-type]  # always a pool buffer
 
     def _size_pool(self) -> None:
-        """Keep idle what a round needs: a push per connected learner, the merge's output and its
-        momentum backup (a master retired by a merge comes back in place of the output)."""
+        """Keep idle what a round needs: a push per connected learner and the merge's two outputs
+        (a master and a momentum retired by a merge come back in their place)."""
         self.model.buffers.max_idle = len(self.peers) + 2
 
     # ------------------------------------------------------------------ updates
@@ -932,6 +944,9 @@ class SyncerService:
             "mode": "lock-step" if rounds.config.lockstep else "decoupled",
             "rounds_merged": rounds.rounds_merged,
             "rounds_abandoned": rounds.rounds_abandoned,
+            # Rounds due but not opened: "busy" (the fragment's previous round still open) or
+            # "merges-behind" (the merge worker had MAX_MERGES_BEHIND rounds waiting).
+            "rounds_skipped": dict(rounds.rounds_skipped),
             "quorum_sizes": {str(k): v for k, v in sorted(rounds.quorum_sizes.items())},
             "grace_waited_s": round(rounds.grace_waited_s, 4),
             # Pushes held (admitted, not yet merged or let go); of them, late ones whose bytes wait

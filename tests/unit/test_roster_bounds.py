@@ -34,7 +34,7 @@ class _Clock:
         return self.now
 
 
-def _service(clock: _Clock, state_dir: Path | None = None) -> SyncerService:
+def _service(clock: _Clock, state_dir: Path) -> SyncerService:
     module = torch.nn.Linear(4, 2)
     specs = model_entries(module)
     model = GlobalModel(
@@ -78,12 +78,12 @@ def test_a_learners_numbers_never_stop_checkpoints_or_status(tmp_path: Path) -> 
     assert "rogue" in format_status(status)
 
 
-def test_the_status_stays_inside_its_frame_with_20000_learner_ids() -> None:
+def test_the_status_stays_inside_its_frame_with_20000_learner_ids(tmp_path: Path) -> None:
     """About 265 bytes of status per id ever seen: near 15,800 ids it outgrew its frame limit. It
     lists at most STATUS_MAX_LEARNERS (connected and live first) and says how many more there are;
     the roster keeps at most MAX_GONE_LEARNERS of those that left."""
     clock = _Clock()
-    service = _service(clock)
+    service = _service(clock, tmp_path / "a")
     rounds = service.rounds
     names = [f"learner-{i:05d}-" + "x" * 100 for i in range(20_000)]
     for name in names:
@@ -93,7 +93,8 @@ def test_the_status_stays_inside_its_frame_with_20000_learner_ids() -> None:
     assert len(status["learners"]) == STATUS_MAX_LEARNERS and status["learners_total"] == 20_000
     assert f"({20_000 - STATUS_MAX_LEARNERS} more learners not listed" in format_status(status)
 
-    gone = _service(clock)  # 20,000 ids that left, one second apart (as restored from a checkpoint)
+    # 20,000 ids that left, one second apart (as restored from a checkpoint).
+    gone = _service(clock, tmp_path / "b")
     for i, name in enumerate(names):
         gone.rounds.restore_learner(name, tracked_s=1.0, useful_s=0.5, now=clock(), idle_s=20_000.0 - i)
     status = gone.status()

@@ -15,6 +15,7 @@ from dilocod.outer.guard import ACCEPTED, NON_FINITE, Verdict
 from dilocod.syncer.rounds import (
     LOCKSTEP_MIN_WAIT_S,
     MAX_GONE_LEARNERS,
+    MAX_MERGES_BEHIND,
     MAX_TOTAL,
     Merge,
     Push,
@@ -867,3 +868,35 @@ def test_lockstep_opens_no_round_while_a_learner_heals() -> None:
     assert of(Request, rounds.tick(now=2.2)) == []
     (second,) = of(Request, rounds.end_join("c", now=2.3))
     assert second.round_index == 1
+
+
+def test_rounds_that_fall_due_while_merges_are_behind_are_skipped_until_they_catch_up() -> None:
+    """A syncer whose merge worker cannot keep up (too few cores) must not queue round after round,
+    each holding M pushes: with MAX_MERGES_BEHIND rounds merging, the next due rounds are skipped
+    (their fragments wait for their next turn) until a merge finishes."""
+    rounds = started(RoundConfig(fragments=8, sync_every=8), ("a",))
+    merging = []
+    step = 0
+    while len(merging) < MAX_MERGES_BEHIND:
+        step += 1
+        (request,) = of(Request, rounds.step("a", step, 1.0, now=float(step)))
+        push = push_for(request, "a")
+        assert rounds.admit(push, now=step + 0.1) is None
+        (merge,) = of(Merge, rounds.push_complete(push, OK, now=step + 0.2))  # the only learner
+        merging.append(merge)
+    for later in range(step + 1, step + 4):
+        assert of(Request, rounds.step("a", later, 1.0, now=float(later))) == []
+    assert rounds.rounds_skipped == {"merges-behind": 3}
+    rounds.merged(merging[0].round_index, now=step + 4.0)
+    (request,) = of(Request, rounds.step("a", step + 4, 1.0, now=step + 4.5))
+    assert request.round_index == step + 3  # the rounds due meanwhile were skipped, not queued
+
+
+def test_lock_step_skips_no_round_for_merges_behind() -> None:
+    rounds = started(RoundConfig(fragments=8, sync_every=8, quorum=QUORUM_ALL), ("a",))
+    for step in range(1, MAX_MERGES_BEHIND + 3):
+        (request,) = of(Request, lockstep_step(rounds, "a", now=float(step)))
+        push = push_for(request, "a")
+        assert rounds.admit(push, now=step + 0.1) is None
+        assert len(of(Merge, rounds.push_complete(push, OK, now=step + 0.2))) == 1
+    assert rounds.rounds_skipped == {}

@@ -17,6 +17,8 @@ def _status(**changes: Any) -> dict[str, Any]:
         "learners": [],
         "rounds_merged": 3,
         "rounds_abandoned": 0,
+        "rounds_skipped": {},
+        "late_pushes_on_disk": 0,
         "quorum_sizes": {},
         "grace_waited_s": 0.0,
         "bytes_in": 0,
@@ -41,3 +43,13 @@ def test_failing_checkpoints_are_a_gauge_an_alert_can_watch() -> None:
     text = render_syncer_metrics(_status(checkpoints_failed=3))
     assert "# TYPE dilocod_checkpoints_failed gauge" in text
     assert re.search(r"^dilocod_checkpoints_failed 3$", text, re.MULTILINE)
+
+
+def test_skipped_rounds_and_late_pushes_on_disk_are_shown() -> None:
+    """A syncer whose merges fall behind skips rounds: an operator sees it, by reason."""
+    text = render_syncer_metrics(
+        _status(rounds_skipped={"merges-behind": 4, "busy": 1}, late_pushes_on_disk=3)
+    )
+    assert re.search(r'^dilocod_rounds_skipped_total\{reason="merges-behind"\} 4$', text, re.MULTILINE)
+    assert re.search(r'^dilocod_rounds_skipped_total\{reason="busy"\} 1$', text, re.MULTILINE)
+    assert re.search(r"^dilocod_late_pushes_on_disk 3$", text, re.MULTILINE)

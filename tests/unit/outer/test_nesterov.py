@@ -4,6 +4,8 @@ few float32 roundings for RDA (whose fused step is expanded into fewer ops, dilo
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -170,3 +172,70 @@ def test_a_pivot_shared_with_another_contribution_is_not_consumed() -> None:
     outer_step_(params, momentum, deltas, [1.0, 3.0], 0.7, 0.9, consume_deltas=True)
     for a, b in zip(expected_p + expected_b, params + momentum, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("block_numel", [None, 100])
+@pytest.mark.parametrize("count", [1, 2, 4])
+@pytest.mark.parametrize("merge", ["rda", "mean"])
+def test_a_step_into_new_buffers_gives_the_same_bits_and_leaves_the_state_as_it_was(
+    block_numel: int | None, count: int, merge: str
+) -> None:
+    """out=(θ', b'): the syncer steps into pool buffers and commits them only if finite, with no
+    copy of Θ_p or backup of b_p. Every path (copy, mean, RDA, the RDA fallback on tensor 3, an
+    embedding on tensor 1) equals the in-place step bit for bit, and θ, b are not written."""
+    params, momentum, deltas = _round(count, 51 + count)
+    deltas[0][3].zero_()
+    weights = [float(m + 1) for m in range(count)]
+    is_embedding = [False, True, False, False]
+    expected_p, expected_b = _clone(params), _clone(momentum)
+    outer_step_(
+        expected_p,
+        expected_b,
+        [_clone(d) for d in deltas],
+        weights,
+        0.7,
+        0.9,
+        merge=merge,
+        is_embedding=is_embedding,
+        block_numel=block_numel,
+        consume_deltas=True,
+    )
+    before_p, before_b = _clone(params), _clone(momentum)
+    new_p, new_b = [torch.full(s, math.nan) for s in SHAPES], [torch.full(s, math.nan) for s in SHAPES]
+    norms = outer_step_(
+        params,
+        momentum,
+        [_clone(d) for d in deltas],
+        weights,
+        0.7,
+        0.9,
+        merge=merge,
+        is_embedding=is_embedding,
+        block_numel=block_numel,
+        consume_deltas=True,
+        out=(new_p, new_b),
+        want_norms=True,
+    )
+    for a, b in zip(expected_p + expected_b, new_p + new_b, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(before_p + before_b, params + momentum, strict=True):
+        assert torch.equal(a, b)
+    assert norms is not None
+    exact_p = sum(float(t.double().square().sum()) for t in expected_p)
+    exact_b = sum(float(t.double().square().sum()) for t in expected_b)
+    assert norms == (pytest.approx(exact_p, rel=1e-6), pytest.approx(exact_b, rel=1e-6))
+
+
+def test_the_norms_of_an_in_place_step_are_those_of_its_result() -> None:
+    params, momentum, deltas = _round(2, 61)
+    assert outer_step_(_clone(params), _clone(momentum), deltas, [1.0, 2.0], 0.7, 0.9) is None
+    norms = outer_step_(params, momentum, deltas, [1.0, 2.0], 0.7, 0.9, want_norms=True)
+    exact = [sum(float(t.double().square().sum()) for t in ts) for ts in (params, momentum)]
+    assert norms == (pytest.approx(exact[0], rel=1e-6), pytest.approx(exact[1], rel=1e-6))
+
+
+def test_out_buffers_of_the_wrong_shape_are_refused() -> None:
+    params, momentum, deltas = _round(2, 71)
+    wrong = [torch.zeros(s) for s in SHAPES[:-1]] + [torch.zeros(3)]
+    with pytest.raises(ValueError, match="out parameter"):
+        outer_step_(params, momentum, deltas, [1.0, 1.0], 0.7, 0.9, out=(wrong, _clone(momentum)))

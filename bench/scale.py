@@ -552,13 +552,14 @@ def main() -> None:
     runs = []
     for spec in args.runs.split(","):
         size, learners, pushers = spec.split(":")
-        runs.append(Run(size, SIZES[size], int(learners), int(pushers)))
+        runs.append(Run(f"{size} {learners}+{pushers}", SIZES[size], int(learners), int(pushers)))
     raw = raw_loopback_gbps()
     print(f"raw loopback: {raw} Gbit/s", flush=True)
     results = []
     for run in runs:
         with tempfile.TemporaryDirectory(prefix="dilocod-scale-") as tmp:
-            work = Path(tmp) if args.keep is None else args.keep / run.label
+            # One directory per run: a second run of a size must not resume the first's checkpoint.
+            work = Path(tmp) if args.keep is None else args.keep / run.label.replace(" ", "_")
             work.mkdir(parents=True, exist_ok=True)
             results.append(run_size(run, args.seconds, args.step_s, raw, work, args.network))
         print(json.dumps(results[-1]), flush=True)

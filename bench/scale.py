@@ -165,20 +165,22 @@ def raw_loopback_gbps() -> float:
     return float(json.loads(out.stdout)["raw_gbps"])
 
 
-def add_bandwidth_gbs(fragment_bytes: int, repeats: int = 5) -> float:
-    """Bytes per second an in-place torch.add moves over a fragment (3 x F), one thread, best of
-    `repeats`."""
+def add_bandwidth_gbs(fragment_bytes: int, repeats: int = 5, adds: int = 1, best: bool = True) -> float:
+    """Bytes per second in-place torch.adds move over a fragment (3 x F each), one thread: `adds`
+    of them back to back, timed together, the best (or the median) of `repeats`."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         n = max(1, fragment_bytes // 4)
         a, b = torch.ones(n), torch.ones(n)
-        best = float("inf")
+        times = []
         for _ in range(repeats):
             started = time.perf_counter()
-            a.add_(b)
-            best = min(best, time.perf_counter() - started)
-        return 3 * n * 4 / best / 1e9
+            for _ in range(adds):
+                a.add_(b)
+            times.append(time.perf_counter() - started)
+        taken = min(times) if best else statistics.median(times)
+        return adds * 3 * n * 4 / taken / 1e9
     finally:
         torch.set_num_threads(threads)
 
@@ -282,9 +284,12 @@ def run_size(
 
     def bound_sampler() -> None:
         # The bound again while the daemons run: the merge worker shares these cores with the
-        # learners, and so does this. Best of 3 per sample, one sample every BOUND_EVERY_S.
+        # learners, and so does this. A merge's worth of traffic ((2M + 4) x F, as adds of 3 x F)
+        # timed as one, the median of 3 per sample (a merge, too, gets what the cores give over its
+        # whole length, not its best moment), one sample every BOUND_EVERY_S.
+        adds = max(1, round((2 * m + 4) / 3))
         while not stop_sampling.wait(BOUND_EVERY_S):
-            in_run_bandwidth.append(add_bandwidth_gbs(largest, repeats=3))
+            in_run_bandwidth.append(add_bandwidth_gbs(largest, repeats=3, adds=adds, best=False))
 
     thread = threading.Thread(target=sampler, daemon=True)
     thread.start()
@@ -449,6 +454,8 @@ def summarize(
         "add_bandwidth_gbs": round(bandwidth_gbs, 2),
         "add_bandwidth_in_run_gbs": round(in_run_bandwidth_gbs, 2),
         "late_pushes_written": status.get("late_pushes_written"),
+        "rounds_skipped_by_reason": status.get("rounds_skipped"),
+        "pool_buffers_created": status.get("pool_buffers_created"),
         "heal_s": [round(s, 2) for s in heals],
         "heal_gbps": [round(g, 2) for g in heal_gbps],
         "raw_loopback_gbps": raw_gbps,
@@ -511,6 +518,7 @@ def table(results: list[dict[str, Any]]) -> str:
             lambda r: f"{r['add_bandwidth_gbs']} / {r.get('add_bandwidth_in_run_gbs', '-')}",
         ),
         ("late pushes written out", lambda r: fmt(r.get("late_pushes_written", "-"))),
+        ("syncer pool buffers created", lambda r: fmt(r.get("pool_buffers_created", "-"))),
         (
             "heal s (Gbit/s; / raw loopback)",
             lambda r: f"{fmt(r['heal_s'])} ({fmt(r['heal_gbps'])}; {fmt(r['heal_over_raw'])})",

@@ -1,5 +1,5 @@
 """The syncer's fragment-sized buffers: one pool for pushes, decoded pushes, merge outputs, the
-merge's momentum backup and masters retired by a merge, reused rather than allocated per round.
+merge's new momentum, masters and momenta retired by a merge, reused rather than allocated per round.
 
 Each buffer has one owner at a time: whoever took it gives it back (or drops it, when something may
 still write into it). Idle buffers are kept up to `max_idle` in all, whatever their sizes; a
@@ -23,7 +23,7 @@ from collections import deque
 #: What the pool hands out: a writable buffer of exactly the size asked for.
 Buffer = mmap.mmap | bytearray
 
-#: Idle buffers kept by default: the merge's output and momentum backup, and a push per learner
+#: Idle buffers kept by default: the merge's two outputs (Θ_p and b_p), and a push per learner
 #: of a small fleet; a larger fleet pays a system call (not a zero-fill) per buffer beyond that.
 DEFAULT_MAX_IDLE = 4
 

@@ -26,11 +26,11 @@ pwrite at computed offsets: a piece is a byte range of one tensor (a whole tenso
 it that one fragment holds). Once every piece is in, the files are fsync'd and then hashed (read
 back, both at once). They are read only through safetensors, never through pickle.
 
-The syncer writes fragment by fragment (`save_fragments`): a caller-given `capture` copies one
-fragment's Θ_p and b_p into a staging buffer and says which version they are, where no merge of
-that fragment can run at the same time (the syncer's merge worker); the disk writes happen after,
-from the staging buffer, while merges go on. So each fragment's Θ_p, b_p and recorded version
-agree, and different fragments may be at versions of different moments (as they are at any
+The syncer writes fragment by fragment (`save_fragments`): a caller-given `lend` lends one
+fragment's Θ_p and b_p and says which version they are, bytes that nothing writes until the lend
+ends (the syncer's merges commit new buffers and keep retired ones out of the pool while lent), and
+the disk writes happen from them while merges go on, with no copy. So each fragment's Θ_p, b_p and
+recorded version agree, and different fragments may be at versions of different moments (as they are at any
 moment anyway: fragments merge independently). `save_checkpoint` writes a SyncerState whose
 tensors do not change while it runs, each tensor as one piece straight from its memory.
 
@@ -53,6 +53,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -127,10 +128,19 @@ class TensorPiece(NamedTuple):
     nbytes: int
 
 
-#: capture(fragment, params_out, momentum_out) -> version: copy the fragment's Θ and b bytes (its
-#: buffer layout, the one its pieces' source_offset refer to) into the two buffers, with no merge of
-#: that fragment under way, and return the version they hold. Called once per fragment, in order.
-Capture = Callable[[int, memoryview, memoryview], int]
+@dataclass(frozen=True, slots=True)
+class Lent:
+    """One fragment's Θ and b bytes (its buffer layout, the one its pieces' source_offset refer to)
+    and the version they hold, unchanged while lent."""
+
+    params: memoryview
+    momentum: memoryview
+    version: int
+
+
+#: lend(fragment): a context holding the fragment's bytes as one version while it is open. Entered
+#: once per fragment, in order, each exited before the next.
+Lend = Callable[[int], AbstractContextManager[Lent]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,15 +242,15 @@ def save_checkpoint(state_dir: Path, state: SyncerState, *, keep: int = DEFAULT_
 def save_fragments(
     state_dir: Path,
     model: FragmentedModel,
-    capture: Capture,
+    lend: Lend,
     meta: dict[str, Any],
     *,
     keep: int = DEFAULT_KEEP,
 ) -> Path:
     """Write a checkpoint of a model held as fragments, one fragment at a time (see the module
-    docstring): capture(p, ...) copies fragment p into a staging buffer, then its pieces are
-    written at their offsets in both files; versions[p] is what capture returned. Same files, same
-    guarantees and the same errors as save_checkpoint; memory: two buffers of the largest fragment.
+    docstring): while lend(p) holds fragment p, its pieces are written at their offsets in both
+    files; versions[p] is the version it was lent at. Same files, same guarantees and the same
+    errors as save_checkpoint; no memory of its own beyond the page cache.
     """
     _check_keep(keep)
     _check_fragmented(model)
@@ -248,23 +258,23 @@ def save_fragments(
     layout = _FileLayout.of({name: (torch.float32, shape) for name, shape in model.shapes.items()})
 
     def write(model_fd: int, momentum_fd: int) -> list[int]:
-        largest = max(model.fragment_bytes, default=0)
-        staging = [bytearray(largest), bytearray(largest)]
-        for buffer in staging:  # fault the pages in here, not inside the first capture
-            if largest:
-                torch.frombuffer(buffer, dtype=torch.uint8).fill_(0)
-        params, momentum = (memoryview(b) for b in staging)
         versions = []
         for index, (size, pieces) in enumerate(zip(model.fragment_bytes, model.pieces, strict=True)):
-            version = capture(index, params[:size], momentum[:size])
-            if type(version) is not int or version < 0:
-                raise ValueError(f"capture gave fragment {index} the version {version!r}")
-            versions.append(version)
-            for piece in pieces:
-                at = layout.data_start + layout.offsets[piece.name] + piece.tensor_offset
-                source = slice(piece.source_offset, piece.source_offset + piece.nbytes)
-                _pwrite_all(model_fd, params[source], at)
-                _pwrite_all(momentum_fd, momentum[source], at)
+            with lend(index) as lent:
+                if type(lent.version) is not int or lent.version < 0:
+                    raise ValueError(f"fragment {index} was lent at the version {lent.version!r}")
+                if lent.params.nbytes != size or lent.momentum.nbytes != size:
+                    raise ValueError(
+                        f"fragment {index} was lent as {lent.params.nbytes} and {lent.momentum.nbytes} "
+                        f"bytes; it has {size}"
+                    )
+                versions.append(lent.version)
+                params, momentum = lent.params.cast("B"), lent.momentum.cast("B")
+                for piece in pieces:
+                    at = layout.data_start + layout.offsets[piece.name] + piece.tensor_offset
+                    source = slice(piece.source_offset, piece.source_offset + piece.nbytes)
+                    _pwrite_all(model_fd, params[source], at)
+                    _pwrite_all(momentum_fd, momentum[source], at)
         return versions
 
     return _save(state_dir, list(model.shapes), layout, layout, write, meta_json, keep)

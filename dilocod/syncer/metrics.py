@@ -47,9 +47,9 @@ def render_syncer_metrics(status: dict[str, Any]) -> str:
     )
     for reason, count in status["rounds_skipped"].items():
         skipped.labels(reason=reason).inc(count)
-    registry.gauge(
-        "dilocod_late_pushes_on_disk", "Late pushes waiting for their next round in files."
-    ).set(status["late_pushes_on_disk"])
+    registry.gauge("dilocod_late_pushes_on_disk", "Late pushes waiting for their next round in files.").set(
+        status["late_pushes_on_disk"]
+    )
     quorum = registry.counter(
         "dilocod_rounds_by_quorum_size_total", "Merged rounds by contributors.", ("size",)
     )

@@ -55,7 +55,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -73,7 +74,7 @@ from dilocod.outer.guard import (
 )
 from dilocod.precision import recast, tensor_views
 from dilocod.syncer.buffers import Buffer, BufferPool, zeroed
-from dilocod.syncer.checkpoint import TensorPiece
+from dilocod.syncer.checkpoint import Lent, TensorPiece
 from dilocod.wire.layouts import push_layout
 from dilocod.wire.manifest import ModelEntry, TensorEntry, fragment_manifest, piece_rows
 
@@ -162,6 +163,12 @@ class GlobalModel:
         self.chunk_bytes = chunk_bytes
         #: Every fragment-sized buffer beyond Θ and b comes from here (see Buffers).
         self.buffers = BufferPool()
+        # Masters and momenta lent to a checkpoint (by id: how many lends), and those retired by a
+        # merge while lent, given back when the last lend ends. The lock also makes a merge's
+        # commit of Θ_p, b_p and the version one step for a lender.
+        self._lent_lock = threading.Lock()
+        self._lent: dict[int, int] = {}
+        self._retired: dict[int, Buffer] = {}
         self.fragments: list[FragmentStore] = []
         shapes = {s.name: s.shape for s in specs}
         for fragment in plan.fragments:
@@ -257,13 +264,40 @@ class GlobalModel:
             pieces.append(TensorPiece(name, start * row_bytes, entry.offset, entry.nbytes))
         return tuple(pieces)
 
-    def capture(self, index: int, params: memoryview, momentum: memoryview) -> int:
-        """Copy Θ_p and b_p (master layout) into params and momentum and return the version they
-        hold: one consistent fragment for a checkpoint (run in the merge worker, between merges)."""
+    @contextlib.contextmanager
+    def lend(self, index: int) -> Iterator[Lent]:
+        """Θ_p and b_p (master layout) and the version they hold, lent for a checkpoint to read
+        until the context exits: one consistent fragment, with no copy. Any thread: a merge
+        commits new buffers and never writes committed ones, and the buffers it retires while they
+        are lent go back to the pool only when the lender is done with them."""
         store = self.fragments[index]
-        _copy_bytes(store.master, params)
-        _copy_bytes(store.momentum, momentum)
-        return store.version
+        with self._lent_lock:
+            master, momentum, version = store.master, store.momentum, store.version
+            for buffer in (master, momentum):
+                self._lent[id(buffer)] = self._lent.get(id(buffer), 0) + 1
+        try:
+            yield Lent(memoryview(master), memoryview(momentum), version)
+        finally:
+            back = []
+            with self._lent_lock:
+                for buffer in (master, momentum):
+                    count = self._lent[id(buffer)] - 1
+                    if count:
+                        self._lent[id(buffer)] = count
+                    else:
+                        del self._lent[id(buffer)]
+                        if self._retired.pop(id(buffer), None) is not None:
+                            back.append(buffer)
+            for buffer in back:
+                self.buffers.give(buffer)
+
+    def _retire(self, buffer: Buffer) -> None:
+        """A master or momentum nobody reads any more (but a lender, maybe) back to the pool."""
+        with self._lent_lock:
+            if id(buffer) in self._lent:
+                self._retired[id(buffer)] = buffer
+                return
+        self.buffers.give(buffer)
 
     def publish_all(self) -> None:
         """Publish every fragment at its version, from its master (at start, before any learner is
@@ -282,7 +316,7 @@ class GlobalModel:
         if old is not None:
             old.retired = True
             if old.users == 0:
-                self.buffers.give(old.buffer)
+                self._retire(old.buffer)
                 self._drop_encoding(old)
 
     def acquire(self, index: int) -> Snapshot:
@@ -302,7 +336,7 @@ class GlobalModel:
         if snapshot.users:
             return
         if snapshot.retired:
-            self.buffers.give(snapshot.buffer)
+            self._retire(snapshot.buffer)
             self._drop_encoding(snapshot)
         elif not keep_encoding:
             self._drop_encoding(snapshot)
@@ -423,13 +457,14 @@ class GlobalModel:
             self.buffers.give(target)
             self.buffers.give(momentum)
             raise
-        old_momentum, store.momentum, store.momentum_views = store.momentum, momentum, momentum_views
-        self.buffers.give(old_momentum)
         checksums, digest = hash_fragment(target, self.chunk_bytes)
-        old = store.master
-        store.master, store.params, store.version, store.norm = target, params, version, norm
+        with self._lent_lock:  # Θ_p, b_p and the version move together (see lend)
+            old, old_momentum = store.master, store.momentum
+            store.momentum, store.momentum_views = momentum, momentum_views
+            store.master, store.params, store.version, store.norm = target, params, version, norm
+        self._retire(old_momentum)
         if store.current is None:  # not published yet (a merge before publish_all): nobody reads it
-            self.buffers.give(old)
+            self._retire(old)
         # Otherwise the old master is the current snapshot's buffer: publish() retires it.
         snapshot = Snapshot(version, target, checksums, digest)
         if self.update_precision != "fp32":
@@ -462,11 +497,6 @@ def hash_fragment(buffer: Buffer, chunk_bytes: int) -> tuple[list[int], int]:
         checksums.append(xxhash.xxh3_64_intdigest(chunk))
         whole.update(chunk)
     return checksums, whole.intdigest()
-
-
-def _copy_bytes(source: Buffer, target: Buffer) -> None:
-    if source:
-        torch.frombuffer(target, dtype=torch.uint8).copy_(torch.frombuffer(source, dtype=torch.uint8))
 
 
 def first_mismatch(ours: Sequence[ModelEntry], theirs: Sequence[ModelEntry]) -> str | None:

@@ -2,9 +2,9 @@
 
 It owns the I/O and nothing else: per learner, one session (JOIN, then PLAN and every fragment to
 heal it, then step reports and pushes in, requests and updates out); one merge worker thread that
-merges rounds and copies fragments out for checkpoints one at a time (so a checkpoint always sees
-a fragment between merges), and a checkpoint thread that writes them meanwhile; a ticker that
-wakes the state machine at its grace deadlines. Decisions
+merges rounds one at a time, and a checkpoint thread that writes fragments lent by the model
+meanwhile (a merge commits new buffers, so a checkpoint always sees a fragment as of one version);
+a ticker that wakes the state machine at its grace deadlines. Decisions
 are Rounds'; numbers are GlobalModel's. A learner may vanish at any point: it is simply absent
 from the rounds, and whatever it had in flight is released.
 """
@@ -156,7 +156,7 @@ class SyncerService:
         # Admitted pushes' bytes: in pool buffers, carried ones in files under the state directory.
         self.pushes = PushStore(model.buffers, state_dir)
         # Screening (decode, norm) reads only push buffers: on its own thread, so a ready merge never
-        # queues behind the screens of later pushes. Merges and checkpoints share the merge thread.
+        # queues behind the screens of later pushes. Merges have the merge thread to themselves.
         # Both run at the process's CPU priority, not below it: lowered (nice +10), they got a tenth
         # of a core beside two learners on 2 cores, each merge took 5-9 s instead of 0.1, and every
         # queued round held its pushes' buffers meanwhile (bench/notes/syncer-scale.md). The event
@@ -164,8 +164,8 @@ class SyncerService:
         # that wakes from a sleep ahead of threads that have been running.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dilocod-merge")
         self._screener = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dilocod-screen")
-        # Checkpoints are written here, fragment by fragment, each fragment copied out in the merge
-        # worker (checkpoint()): merges go on while the disk works. Below the loop's priority: the
+        # Checkpoints are written here, fragment by fragment, each fragment lent by the model as it
+        # is (checkpoint()): merges go on while the disk works. Below the loop's priority: the
         # disk waits, not the sessions.
         self._checkpointer = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="dilocod-checkpoint", initializer=lower_this_thread
@@ -237,7 +237,7 @@ class SyncerService:
                     self.final_checkpoint_problem = self.checkpoint_problem
                 await server.close("syncer shutting down")
         finally:
-            # The checkpointer first: a checkpoint under way still needs the merge worker.
+            # The checkpointer first: a checkpoint under way reads what merges retire.
             self._checkpointer.shutdown(wait=True, cancel_futures=True)
             self._screener.shutdown(wait=True, cancel_futures=True)
             self._encoder.shutdown(wait=True, cancel_futures=True)
@@ -246,8 +246,8 @@ class SyncerService:
 
     async def checkpoint(self) -> Path:
         """Write a checkpoint now: in the checkpoint thread, fragment by fragment, each fragment's
-        Θ_p, b_p and version copied out together in the merge worker between two merges of it,
-        so rounds go on while it is written (checkpoint.save_fragments). A failure is counted,
+        Θ_p, b_p and version lent together by the model (GlobalModel.lend), so rounds go on while
+        it is written (checkpoint.save_fragments). A failure is counted,
         logged with its reason and raised; nothing of it is left on disk, so the previous
         checkpoint stays the newest. Old checkpoints that cannot be removed are only logged."""
         now = self.clock()
@@ -280,15 +280,12 @@ class SyncerService:
             tuple(model.checkpoint_pieces(store.index) for store in model.fragments),
         )
 
-        def capture(index: int, params: memoryview, momentum: memoryview) -> int:
-            # One fragment's copy, in the merge worker: queued behind a merge under way, it holds
-            # up the merges behind it for a memcpy of Θ_p and b_p, never for the disk.
-            return self._executor.submit(model.capture, index, params, momentum).result()
-
+        # Each fragment is written from the committed Θ_p and b_p themselves, lent (no copy, and
+        # nothing of the merge worker's time): merges commit new buffers meanwhile.
         started = self.clock()
         try:
             path = await asyncio.get_running_loop().run_in_executor(
-                self._checkpointer, partial(save_fragments, self.state_dir, layout, capture, meta)
+                self._checkpointer, partial(save_fragments, self.state_dir, layout, model.lend, meta)
             )
         except CheckpointPruneError as exc:  # written and durable; the disk will fill up
             path = exc.saved
@@ -704,7 +701,7 @@ class SyncerService:
         worked: list[float] = []  # when the worker began and ended this merge
 
         def run() -> Snapshot:
-            # Carried pushes are read back here, and the merge takes its output and momentum backup
+            # Carried pushes are read back here, and the merge takes its two outputs (Θ_p and b_p)
             # from the pool here: nothing fragment-sized is allocated or copied on the event loop.
             worked.append(time.perf_counter())
             try:
@@ -954,6 +951,9 @@ class SyncerService:
             "pushes_held": len(self.pushes.pending()),
             "late_pushes_on_disk": self.pushes.on_disk(),
             "late_pushes_written": self.pushes.written,
+            # Fragment-sized buffers the pool has mapped (a steady state maps none) and freed.
+            "pool_buffers_created": self.model.buffers.created,
+            "pool_buffers_freed": self.model.buffers.freed,
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
             # How updates travel (bytes_out counts them at it).

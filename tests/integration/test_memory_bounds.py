@@ -2,8 +2,8 @@
 float32, dilocod.examples.scale: four Linear(4096, 4096) layers whose step sleeps and nudges one)
 stay within the bounds bench/scale.py measures at 256M and 1B (docs/design.md §3.1 Memory):
 
-- syncer: peak RSS <= its fixed cost + 2 x model bytes + (M + 2 + 2) x the largest fragment (M
-  pushes, a merge's output and momentum backup, a checkpoint's two staging buffers), or, at start,
+- syncer: peak RSS <= its fixed cost + 2 x model bytes + (M + 2) x the largest fragment (M pushes,
+  a merge's two outputs: Θ_p and b_p; a checkpoint writes from the committed ones), or, at start,
   the entry's own peak (run alone: interpreter, model and whatever its construction allocates) +
   Θ, whichever is larger: the syncer must hold the entry's model while it copies it. Its fixed cost
   is an interpreter that imports the syncer, builds the entry and drops it (what the user's
@@ -144,7 +144,7 @@ def test_syncer_and_learner_memory_stay_near_their_floors(
             learner.stop()
         syncer.stop()
     m = 1
-    steady = syncer_base["rss"] + (2 * MODEL_BYTES + (m + 2 + 2) * LARGEST_FRAGMENT) // KIB
+    steady = syncer_base["rss"] + (2 * MODEL_BYTES + (m + 2) * LARGEST_FRAGMENT) // KIB
     syncer_bound = max(steady, alone["peak_rss_kib"] + MODEL_BYTES // KIB) + SLACK_MIB * KIB
     learner_bound = (MODEL_BYTES + (OVERLAP + 2) * LARGEST_FRAGMENT) // KIB + child_base["pss"]
     learner_bound += SLACK_MIB * KIB

@@ -8,12 +8,13 @@ reading the files without dilocod.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,7 @@ from dilocod.syncer.checkpoint import (
     CheckpointError,
     DamagedCheckpointsError,
     FragmentedModel,
+    Lent,
     NoCheckpointError,
     SyncerState,
     TensorPiece,
@@ -212,23 +214,23 @@ def fill(
 
 def test_fragment_by_fragment_writes_the_same_files_as_a_whole_state(tmp_path: Path) -> None:
     """Row pieces written at their offsets, fragment by fragment, make byte for byte the files of
-    save_checkpoint of the whole tensors, with each fragment's version as capture reported it."""
+    save_checkpoint of the whole tensors, with each fragment's version as it was lent."""
     params, momentum = float32_model(1)
     model, buffers = row_split_fragments(params)
     for buffers_p, pieces in zip(buffers, model.pieces, strict=True):
         fill(buffers_p, pieces, (params, momentum))
-    captured: list[int] = []
+    lent: list[tuple[str, int]] = []
 
-    def capture(index: int, params_out: memoryview, momentum_out: memoryview) -> int:
-        captured.append(index)
-        params_out[:] = buffers[index][0]
-        momentum_out[:] = buffers[index][1]
-        return 10 + index
+    @contextlib.contextmanager
+    def lend(index: int) -> Iterator[Lent]:
+        lent.append(("lent", index))
+        yield Lent(memoryview(buffers[index][0]), memoryview(buffers[index][1]), 10 + index)
+        lent.append(("back", index))
 
     meta = {"next_round": 4}
-    split = save_fragments(tmp_path / "split", model, capture, meta)
+    split = save_fragments(tmp_path / "split", model, lend, meta)
     whole = save_checkpoint(tmp_path / "whole", SyncerState(params, momentum, [10, 11, 12], meta))
-    assert captured == [0, 1, 2]
+    assert lent == [(event, i) for i in range(3) for event in ("lent", "back")]  # one at a time
     for name in (MODEL_FILE, MOMENTUM_FILE):
         assert (split / name).read_bytes() == (whole / name).read_bytes()
     loaded = load_latest_checkpoint(tmp_path / "split")
@@ -257,22 +259,34 @@ def test_pieces_that_do_not_cover_every_byte_once_are_refused_before_anything_is
     model, _ = row_split_fragments(params)
     bad = FragmentedModel(model.shapes, model.fragment_bytes, edit(model.pieces))
     with pytest.raises(ValueError, match=message):
-        save_fragments(tmp_path, bad, lambda *_: pytest.fail("captured"), {})
+        save_fragments(tmp_path, bad, lambda *_: pytest.fail("lent"), {})
     assert not (tmp_path / CHECKPOINTS_DIR).exists()
 
 
-def test_a_failing_capture_leaves_no_trace(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("fault", "error", "message"),
+    [
+        ("raises", RuntimeError, "the model is gone"),
+        ("wrong size", ValueError, "bytes; it has"),
+        ("bad version", ValueError, "at the version -1"),
+    ],
+)
+def test_a_failing_lend_leaves_no_trace(tmp_path: Path, fault: str, error: type, message: str) -> None:
     params, momentum = float32_model(3)
-    model, _ = row_split_fragments(params)
+    model, buffers = row_split_fragments(params)
     first = save_checkpoint(tmp_path, SyncerState(params, momentum, [0, 0, 0], {}))
 
-    def capture(index: int, params_out: memoryview, momentum_out: memoryview) -> int:
-        if index == 2:
-            raise RuntimeError("the merge worker is gone")
-        return 1
+    @contextlib.contextmanager
+    def lend(index: int) -> Iterator[Lent]:
+        held = [memoryview(b) for b in buffers[index]]
+        if index == 2 and fault == "raises":
+            raise RuntimeError("the model is gone")
+        if index == 2 and fault == "wrong size":
+            held[1] = held[1][:-4]
+        yield Lent(held[0], held[1], -1 if index == 2 and fault == "bad version" else 1)
 
-    with pytest.raises(RuntimeError, match="merge worker"):
-        save_fragments(tmp_path, model, capture, {})
+    with pytest.raises(error, match=message):
+        save_fragments(tmp_path, model, lend, {})
     assert checkpoint_names(tmp_path) == [first.name]
 
 

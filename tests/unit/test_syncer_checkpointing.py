@@ -2,12 +2,13 @@
 status with its reason and raised, and leaves nothing on disk, so the previous checkpoint stays
 the newest; old checkpoints that cannot be removed do not make a written checkpoint a failure.
 The real-process side (a full disk, the goodbyes, exit 74) is tests/integration/test_state_disk.py.
-A checkpoint holds up merges only while it copies one fragment out: a merge runs in the middle of
-one, and each fragment's Θ, b and version in it agree."""
+A checkpoint holds up no merge: merges run while a fragment is lent to it, and each fragment's Θ,
+b and version in it agree."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,7 @@ from dilocod.config import SyncerConfig
 from dilocod.learner.layout import model_entries
 from dilocod.outer import plan_fragments
 from dilocod.syncer import checkpoint
-from dilocod.syncer.checkpoint import load_latest_checkpoint
+from dilocod.syncer.checkpoint import Lent, load_latest_checkpoint
 from dilocod.syncer.model import GlobalModel
 from dilocod.syncer.rounds import RoundConfig, Rounds
 from dilocod.syncer.service import SyncerService
@@ -77,9 +78,10 @@ def test_a_checkpoint_whose_clean_up_failed_is_written(
 
 
 def test_a_merge_runs_during_a_checkpoint_and_each_fragment_is_consistent(tmp_path: Path) -> None:
-    """Fragment 0 is copied out; then, while the checkpoint is still being written, a merge of both
-    fragments runs in the merge worker; then fragment 1 is copied. The checkpoint holds fragment 0
-    as it was before the merge and fragment 1 as it was after, each with its own version."""
+    """While fragment 0 is lent to the checkpoint, two merges of each fragment run in the merge
+    worker (the second would reuse what the first retired, if the pool had it back); then fragment
+    1 is lent. The checkpoint holds fragment 0 as it was before the merges and fragment 1 as it was
+    after, each with its own version, and the lent buffers return to the pool only afterwards."""
     module = torch.nn.Linear(4, 2)
     specs = model_entries(module)
     plan = plan_fragments([(s.name, s.shape) for s in specs], 2)
@@ -91,25 +93,27 @@ def test_a_merge_runs_during_a_checkpoint_and_each_fragment_is_consistent(tmp_pa
         SyncerConfig(), model, Rounds(RoundConfig(fragments=2, sync_every=1_000_000)),
         state_dir=tmp_path, incarnation="test", secret=None, meta={},
     )  # fmt: skip
-    copied_0, merge_queued = threading.Event(), threading.Event()
-    real_capture = model.capture
+    lent_0, merged = threading.Event(), threading.Event()
+    real_lend = model.lend
 
-    def capture(index: int, params: memoryview, momentum: memoryview) -> int:
-        version = real_capture(index, params, momentum)
-        if index == 0:  # in the merge worker: the merge below is queued before fragment 1's copy
-            copied_0.set()
-            assert merge_queued.wait(30)
-        return version
+    @contextlib.contextmanager
+    def lend(index: int) -> Iterator[Lent]:
+        with real_lend(index) as lent:
+            if index == 0:  # the merges below run while fragment 0 is lent
+                lent_0.set()
+                assert merged.wait(30)
+            yield lent
 
-    model.capture = capture  # type: ignore[method-assign]  # the real copy, observed
+    model.lend = lend  # type: ignore[method-assign]  # the real lend, observed
 
-    def merge_both() -> list[tuple[bytes, bytes, int]]:
+    def merge_both_twice() -> list[tuple[bytes, bytes, int]]:
         after = []
         for store in model.fragments:
-            push = bytearray(torch.full((store.raw_bytes // 4,), 0.25).numpy().tobytes())
-            model.merge(
-                store.index, [push], [1.0], lr=0.7, mu=0.9, merge="mean", version=store.version + 1,
-            )  # fmt: skip
+            for _ in range(2):
+                push = bytearray(torch.full((store.raw_bytes // 4,), 0.25).numpy().tobytes())
+                model.merge(
+                    store.index, [push], [1.0], lr=0.7, mu=0.9, merge="mean", version=store.version + 1,
+                )  # fmt: skip
             after.append((bytes(store.master), bytes(store.momentum), store.version))
         return after
 
@@ -117,11 +121,10 @@ def test_a_merge_runs_during_a_checkpoint_and_each_fragment_is_consistent(tmp_pa
 
     async def scenario() -> tuple[Path, list[tuple[bytes, bytes, int]]]:
         written = asyncio.create_task(service.checkpoint())
-        assert await asyncio.to_thread(copied_0.wait, 30)
-        merged = service._executor.submit(merge_both)
-        merge_queued.set()
-        path = await written
-        return path, merged.result(timeout=30)
+        assert await asyncio.to_thread(lent_0.wait, 30)
+        after = await asyncio.get_running_loop().run_in_executor(service._executor, merge_both_twice)
+        merged.set()
+        return await written, after
 
     try:
         path, after = asyncio.run(scenario())
@@ -131,7 +134,8 @@ def test_a_merge_runs_during_a_checkpoint_and_each_fragment_is_consistent(tmp_pa
         service._screener.shutdown(wait=True)
     loaded = load_latest_checkpoint(tmp_path)
     assert loaded is not None and loaded.path == path
-    assert loaded.state.versions == [before[0][2], after[1][2]] == [0, 1]
+    assert loaded.state.versions == [before[0][2], after[1][2]] == [0, 2]
+    assert model._lent == {} and model._retired == {}  # fragment 0's old buffers went back
     for store, (master, momentum, _) in zip(model.fragments, [before[0], after[1]], strict=True):
         assert before[store.index][:2] != after[store.index][:2]  # the merge changed both fragments
         for (name, start, stop), entry in zip(store.pieces, store.manifest, strict=True):

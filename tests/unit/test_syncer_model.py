@@ -171,7 +171,7 @@ def _equal_fragments(fragments: int = 4) -> GlobalModel:
 def test_the_number_of_fragment_buffers_is_bounded(learners: int) -> None:
     """Rounds over every fragment, each merging a push per learner (from the pool, as the service
     takes them) and sent to every learner: beyond Θ and b, the syncer creates M + 2 buffers once
-    and reuses them for ever (a push per learner, the merge's output and its momentum backup)."""
+    and reuses them for ever (a push per learner, the merge's two outputs: Θ_p and b_p)."""
     model = _equal_fragments()
     model.buffers.max_idle = learners + 2  # as the service sizes it
     model.publish_all()

@@ -16,6 +16,7 @@ import contextlib
 import gc
 import math
 import ssl
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Coroutine
@@ -60,6 +61,12 @@ from dilocod.wire.stream import StreamHeader
 
 log = structlog.get_logger("dilocod.syncer")
 
+#: The interpreter's switch interval while serving (the default is 5 ms). The merge worker's fused
+#: step is some 500 torch calls per fragment, each of which lets go of the GIL and must take it
+#: back; behind an event loop busy with Python (chunks of pushes and updates) it waited up to the
+#: whole interval each time: a 40 ms merge took 3 s beside a thread running Python, 0.2 s at 1 ms
+#: (bench/notes/late-pushes.md). The loop gives way a little more often for it.
+SWITCH_INTERVAL_S = 0.001
 #: A learner must say JOIN this soon after its session opens.
 JOIN_TIMEOUT_S = 30.0
 #: An update that fails this many times in a row is given up until the next version.
@@ -193,6 +200,8 @@ class SyncerService:
         # daemon: out of the collector's sight, a full collection no longer walks it. It was
         # 170 000 objects, 80-125 ms a full collection on the event loop (bench/notes/syncer-scale.md).
         gc.freeze()
+        switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(switch_interval, SWITCH_INTERVAL_S))
         options = TransportOptions(chunk_bytes=self.config.chunk)
         try:
             async with (
@@ -243,6 +252,7 @@ class SyncerService:
             self._encoder.shutdown(wait=True, cancel_futures=True)
             self._executor.shutdown(wait=True, cancel_futures=True)
             self.pushes.close()
+            sys.setswitchinterval(switch_interval)
 
     async def checkpoint(self) -> Path:
         """Write a checkpoint now: in the checkpoint thread, fragment by fragment, each fragment's

@@ -2,11 +2,11 @@
 dilocod.outer.outer_step_ alone in place on tensors of the same size (what bench/outer_merge.py
 calls "merge": the fused RDA + Nesterov step, consume_deltas=True).
 
-GlobalModel.merge does more than the step: it copies Θ_p into the merge's own buffer and b_p into
-a backup (copy on merge, see dilocod/syncer/model.py), takes ‖Θ_p‖ and ‖b_p‖ (the commit check and
-the screen's scale) and hashes the result for sending. Both take turns within each repetition, on
-buffers taken once (as the syncer's pool keeps them), each after a read of a large buffer that
-evicts the caches; best and median of the repetitions are reported.
+GlobalModel.merge does more than the step: it steps from Θ_p and b_p into two pool buffers (new
+buffers on merge, see dilocod/syncer/model.py), sums their squared norms on the way (the commit
+check and the screen's scale) and hashes the result for sending. Both take turns within each
+repetition, on buffers taken once (as the syncer's pool keeps them), each after a read of a large
+buffer that evicts the caches; best and median of the repetitions are reported.
 
 Run from the repository root: ``python bench/syncer_merge.py [--mb 67] [--pushes 2] [--reps 9]``.
 Measures and records; asserts nothing. Must not be imported by dilocod.

@@ -12,10 +12,10 @@ Buffers. The steady state holds Θ and b (one master and one momentum buffer per
 fragment-sized buffers from one bounded pool (syncer.buffers): a push per contributing learner,
 and per merge its two outputs (the new Θ_p and b_p). Nothing else holds a copy of the model.
 
-Snapshots: copy on merge, never in place. What learners are sent is the master itself: a
+Snapshots: new buffers on merge, never in place. What learners are sent is the master itself: a
 Snapshot names the buffer that holds a version with its chunk checksums (hashed once, for every
 learner it is sent to) and counts the sends reading it. A merge never writes the master it reads:
-it copies Θ_p into a pool buffer and steps that copy, which becomes the master when committed. So
+it steps from Θ_p into a pool buffer, which becomes the master when committed. So
 a send of the old version goes on reading bytes nobody writes (a learner never receives a
 half-merged fragment), a heal or idle send needs no copy at all, and the old master goes back to
 the pool as soon as its last send is done (at once when none is reading it). The step reads Θ_p

@@ -65,7 +65,7 @@ log = structlog.get_logger("dilocod.syncer")
 #: step is some 500 torch calls per fragment, each of which lets go of the GIL and must take it
 #: back; behind an event loop busy with Python (chunks of pushes and updates) it waited up to the
 #: whole interval each time: a 40 ms merge took 3 s beside a thread running Python, 0.2 s at 1 ms
-#: (bench/notes/late-pushes.md). The loop gives way a little more often for it.
+#: (bench/notes/syncer-merge-in-run.md). The loop gives way a little more often for it.
 SWITCH_INTERVAL_S = 0.001
 #: A learner must say JOIN this soon after its session opens.
 JOIN_TIMEOUT_S = 30.0

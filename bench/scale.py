@@ -10,7 +10,8 @@ Recorded per size, next to what bounds it in the same run:
 - peak memory (VmHWM and sampled PSS) of the syncer, each learner and its network process, and of
   the same entry run alone; the learner's overhead is learner + network process minus that;
   against the floors: syncer 2 x model + (M + 2) x largest fragment, learner overhead
-  1 x model + (tau + 2) x largest fragment;
+  1 x model + (tau + 2) x largest fragment; and the syncer against that floor plus its fixed cost
+  (an interpreter importing what it imports), or at start the entry alone plus Θ if larger;
 - fragments and their imbalance (largest / mean);
 - rounds due (by the syncer's clock), merged, abandoned and skipped;
 - merge time per fragment (the merge worker's own, without waiting for it) against the fused
@@ -223,6 +224,19 @@ def entry_alone(layers: int, step_s: float) -> dict[str, int]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def syncer_fixed_kib() -> int:
+    """RSS of an interpreter that imports what the syncer imports (torch among it) and nothing else:
+    the syncer's fixed cost, which the memory floor's formula leaves out."""
+    code = (
+        "import torch, dilocod.cli, dilocod.syncer.daemon, dilocod.syncer.service\n"
+        "from dilocod.examples.scale import memory_kib\n"
+        "import os; print(memory_kib(os.getpid())['rss'])"
+    )
+    command = [sys.executable, "-c", code]
+    out = subprocess.run(command, capture_output=True, text=True, check=True, timeout=120)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
 # ----------------------------------------------------------------------------- one size
 
 
@@ -247,6 +261,7 @@ def run_size(
         flush=True,
     )
     alone = entry_alone(run.layers, step_s)
+    alone["syncer_fixed_kib"] = syncer_fixed_kib()
     bandwidth = add_bandwidth_gbs(largest)
     disk = disk_write_gbs(work, min(model_bytes, 2 << 30))
     entry = ["--entry", "dilocod.examples.scale:make_trainer"]
@@ -418,6 +433,9 @@ def summarize(
                 lags.append(last["loop_lag_ms"])
     entry_kib = alone.get("peak_pss_kib", 0)
     syncer_floor = 2 * model_bytes + (m + 2) * largest
+    # With what the formula leaves out: the interpreter, and at start the entry's model beside Θ.
+    fixed_kib = alone.get("syncer_fixed_kib", 0)
+    syncer_bound = max(fixed_kib * 1024 + syncer_floor, alone.get("peak_rss_kib", 0) * 1024 + model_bytes)
     learner_floor = model_bytes + (OVERLAP + 2) * largest
     gib = lambda kib: round(kib * 1024 / 1e9, 3)  # noqa: E731 - KiB to GB
     heal_gbps = [model_bytes * 8 / s / 1e9 for s in heals if s > 0]
@@ -435,6 +453,8 @@ def summarize(
         "syncer_peak_rss_gb": gib(syncer.peak_hwm_kib),
         "syncer_peak_pss_gb": gib(syncer.peak_pss_kib),
         "syncer_floor_gb": round(syncer_floor / 1e9, 3),
+        "syncer_fixed_gb": gib(fixed_kib),
+        "syncer_bound_gb": round(syncer_bound / 1e9, 3),
         "entry_alone_peak_pss_gb": gib(entry_kib),
         "entry_alone_peak_rss_gb": gib(alone.get("peak_rss_kib", 0)),
         "learner_peak_rss_gb": [gib(p.peak_hwm_kib) for p in learners],
@@ -490,6 +510,10 @@ def table(results: list[dict[str, Any]]) -> str:
         ),
         ("fragments / imbalance", lambda r: f"{r['fragments']} / {r['imbalance']}"),
         ("syncer peak RSS / floor, GB", lambda r: f"{r['syncer_peak_rss_gb']} / {r['syncer_floor_gb']}"),
+        (
+            "syncer bound with its fixed cost (interpreter), GB",
+            lambda r: f"{r.get('syncer_bound_gb', '-')} ({r.get('syncer_fixed_gb', '-')})",
+        ),
         (
             "learner overhead (PSS) / floor, GB",
             lambda r: f"{fmt(r['learner_overhead_gb'])} / {r['learner_overhead_floor_gb']}",

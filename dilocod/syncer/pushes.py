@@ -76,16 +76,12 @@ class PushStore:
         self.directory = Path(state_dir) / LATE_DIR
         self._held: dict[Key, Held] = {}
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dilocod-late-pushes")
-        #: Carried pushes written out and read back so far, and bytes written.
+        #: Carried pushes written out and read back so far.
         self.written = 0
         self.read_back = 0
-        self.bytes_written = 0
         self._clear()
 
     # ------------------------------------------------------------------ the event loop's side
-
-    def __contains__(self, key: Key) -> bool:
-        return key in self._held
 
     def pending(self) -> list[Key]:
         return sorted(self._held)
@@ -162,7 +158,6 @@ class PushStore:
             held.where, held.path, held.buffer = Where.DISK, path, None
             self.pool.give(buffer.obj)  # type: ignore[arg-type]
             self.written += 1
-            self.bytes_written += len(buffer)
             return None
         # Taken by a merge (which owns the buffer now) or dropped while the write ran.
         if not held.taken:

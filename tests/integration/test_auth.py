@@ -147,7 +147,7 @@ def test_a_peer_without_the_key_gets_nothing_and_sends_nothing(tmp_path: Path, s
     assert status["rejected_pushes"] == 0, "the intruder's push was never even read as a push"
     assert {record["learner"] for record in syncer.log_events("learner joined")} == {"good"}
     merged = syncer.log_events("round merged")
-    assert merged and all(record["contributors"] == ["good"] for record in merged)
+    assert merged and all(set(record["contributors"]) == {"good"} for record in merged)
 
 
 # ----------------------------------------------------------------------------- mutual TLS
@@ -230,7 +230,8 @@ def test_mutual_tls_with_real_daemons(tmp_path: Path, tls_files: TlsSet) -> None
     assert only["id"] == "tls-learner" and only["contributions"] >= 1
     assert {record["learner"] for record in syncer.log_events("learner joined")} == {"tls-learner"}
     merged = syncer.log_events("round merged")
-    assert merged and all(record["contributors"] == ["tls-learner"] for record in merged)
+    # A late push of its own may merge beside its fresh one (docs/design.md §3.4): one learner still.
+    assert merged and all(set(record["contributors"]) == {"tls-learner"} for record in merged)
 
 
 # ------------------------------------------------------------------- state files carrying code

@@ -186,7 +186,8 @@ class SyncerService:
         self._merges: set[asyncio.Task[None]] = set()
         self._stopping = False
         self._server: Server | None = None
-        self._lag = LoopLag()
+        self._lag = LoopLag(on_stall=self._stalled)
+        self._checkpointing = False
         self._merge_started: dict[int, float] = {}
 
     # ------------------------------------------------------------------ lifecycle
@@ -293,6 +294,7 @@ class SyncerService:
         # Each fragment is written from the committed Θ_p and b_p themselves, lent (no copy, and
         # nothing of the merge worker's time): merges commit new buffers meanwhile.
         started = self.clock()
+        self._checkpointing = True
         try:
             path = await asyncio.get_running_loop().run_in_executor(
                 self._checkpointer, partial(save_fragments, self.state_dir, layout, model.lend, meta)
@@ -310,6 +312,8 @@ class SyncerService:
                 newest=str(self.last_checkpoint) if self.last_checkpoint else None,
             )
             raise
+        finally:
+            self._checkpointing = False
         self.checkpoints_written += 1
         self.last_checkpoint = path
         self.checkpoints_failed, self.checkpoint_problem = 0, None
@@ -320,6 +324,18 @@ class SyncerService:
             duration_s=round(self.clock() - started, 3),
         )
         return path
+
+    def _stalled(self, lag_ms: float) -> None:
+        """The loop woke lag_ms late: said with what was under way, to tell what blocked it."""
+        log.warning(
+            "loop stalled",
+            lag_ms=round(lag_ms, 1),
+            merges_in_flight=len(self._merges),
+            checkpointing=self._checkpointing,
+            pushes_held=len(self.pushes.pending()),
+            late_pushes_on_disk=self.pushes.on_disk(),
+            peers=len(self.peers),
+        )
 
     def _forget_gone(self, now: float) -> None:
         """Learners gone past the retention leave the roster, and what else is kept per id."""

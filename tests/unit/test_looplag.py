@@ -42,3 +42,28 @@ def test_a_blocked_loop_shows_in_the_published_lag() -> None:
     figures = asyncio.run(scenario())
     assert figures["max"] >= 80.0
     assert figures["p50"] <= figures["max"]
+
+
+def test_a_stall_is_told_as_it_happens_and_a_short_wait_is_not() -> None:
+    async def scenario() -> list[float]:
+        stalls: list[float] = []
+        told = asyncio.Event()
+
+        def on_stall(lag_ms: float) -> None:
+            stalls.append(lag_ms)
+            told.set()
+
+        lag = LoopLag(interval_s=0.01, samples=100, stall_ms=60.0, on_stall=on_stall)
+        task = asyncio.ensure_future(lag.watch())
+        loop = asyncio.get_running_loop()
+        loop.call_soon(time.sleep, 0.02)  # held 20 ms: under the threshold
+        loop.call_later(0.1, time.sleep, 0.1)  # held 100 ms: a stall
+        async with asyncio.timeout(20.0):
+            await told.wait()
+        task.cancel()
+        return stalls
+
+    stalls = asyncio.run(scenario())
+    # Only wakes past the threshold are told (the 20 ms hold is not, unless the host delayed it
+    # past 60 ms itself); the 100 ms hold is, at 90 ms late or more.
+    assert stalls and all(lag_ms > 60.0 for lag_ms in stalls) and max(stalls) >= 90.0

@@ -92,6 +92,7 @@ def format_status(status: dict[str, Any]) -> str:
         f"syncer {status['incarnation']}  up {status['uptime_s']:.0f} s  clock {status['clock']}  "
         f"next round {status['next_round']}",
         f"rounds merged {status['rounds_merged']}  abandoned {status['rounds_abandoned']}  "
+        f"skipped {_skipped(status.get('rounds_skipped'))}  "
         f"quorum: {describe_quorum_sizes(status['quorum_sizes'])}  "
         f"grace waited {status['grace_waited_s']:.2f} s",
         f"received {_bytes(status['bytes_in'])}  sent {_bytes(status['bytes_out'])}  "
@@ -162,3 +163,12 @@ def _bytes(count: int) -> str:
         if count >= size:
             return f"{count / size:.1f} {unit}"
     return f"{count} B"
+
+
+def _skipped(by_reason: object) -> str:
+    """Rounds skipped, by reason ("0" from a syncer that does not say; "?" for what is not counts)."""
+    if not by_reason:
+        return "0"
+    if not isinstance(by_reason, dict) or not all(isinstance(v, int) for v in by_reason.values()):
+        return "?"
+    return f"{sum(by_reason.values())} (" + ", ".join(f"{k} {v}" for k, v in sorted(by_reason.items())) + ")"

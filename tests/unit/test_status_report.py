@@ -95,3 +95,11 @@ def test_the_table_labels_the_window(tmp_path: Path) -> None:
     assert status["steps_per_s_window_s"] == 60
     assert "steps/s (last 60 s)" in table
     assert "2.00" in next(line for line in table.splitlines() if line.startswith("site-a"))
+
+
+def test_the_table_says_how_many_rounds_were_skipped_and_why(tmp_path: Path) -> None:
+    service = _service(_Clock(), tmp_path)
+    service.rounds.rounds_skipped.update({"merges-behind": 3, "busy": 1})
+    table = format_status(service.status())
+    assert "skipped 4 (busy 1, merges-behind 3)" in table
+    assert "skipped 0 " in format_status({**service.status(), "rounds_skipped": {}})

@@ -429,6 +429,21 @@ def bench_run(
     show_default=True,
     help="tc rates of the shaped links to build (e.g. 2gbit,5gbit), or loopback.",
 )
+@click.option(
+    "--rtt",
+    default="0ms",
+    show_default=True,
+    help="Round-trip times to add to every rate (e.g. 30ms,100ms): netem where the kernel has it, "
+    "else the emulator of --wan-emulator.",
+)
+@click.option(
+    "--wan-emulator",
+    "wan_emulator",
+    default=None,
+    metavar="PATH",
+    help="A WAN emulator for kernels without netem, called as `PATH up RATE RTT_MS` and `PATH down` "
+    "(like wanem.sh)  [default: $DILOCOD_WAN_EMULATOR].",
+)
 @_run_plan_options
 @click.option(
     "--vs",
@@ -437,19 +452,32 @@ def bench_run(
     show_default=True,
     help="Also time a torch.distributed gloo broadcast over each link.",
 )
-def bench_local(rate: str, vs: str, json_out: str | None, plot_out: Path | None, **plan_flags: Any) -> None:
-    """WAN links reproduced on this host (root needed): per rate, two network namespaces joined by a
-    veth pair shaped with tc tbf, `bench serve` in one and `bench run` in the other. Everything it
-    makes is removed at the end, also on Ctrl-C and on error."""
-    from dilocod.linkbench.local import LocalBenchError, parse_rate, run_local  # noqa: PLC0415
+def bench_local(
+    rate: str,
+    rtt: str,
+    wan_emulator: str | None,
+    vs: str,
+    json_out: str | None,
+    plot_out: Path | None,
+    **plan_flags: Any,
+) -> None:
+    """WAN links reproduced on this host (root needed): per rate (and round-trip time), two network
+    namespaces joined by a veth pair shaped with tc tbf (netem with a delay, or an external
+    emulator where the kernel has no netem), `bench serve` in one and `bench run` in the other.
+    Everything it makes is removed at the end, also on Ctrl-C and on error."""
+    from dilocod.linkbench.local import LocalBenchError, parse_rate, parse_rtt, run_local  # noqa: PLC0415
 
     try:
         rates = [parse_rate(r) for r in parse_list(rate, key="--rate")]
     except (ValueError, ConfigError) as exc:
         _config_error(f"--rate: {exc}")
+    try:
+        rtts = [parse_rtt(r) for r in parse_list(rtt, key="--rtt")]
+    except (ValueError, ConfigError) as exc:
+        _config_error(f"--rtt: {exc}")
     plan = _run_plan(vs=vs, **plan_flags)
     try:
-        document = run_local(rates, plan)
+        document = run_local(rates, plan, rtts=rtts, emulator=wan_emulator)
     except LocalBenchError as exc:
         click.echo(f"dilocod bench local: {exc}", err=True)
         sys.exit(1)

@@ -3,6 +3,13 @@ two network namespaces joined by a veth pair shaped with `tc qdisc ... tbf` in b
 `dilocod bench serve` in one and `dilocod bench run` in the other, so everything crosses the
 shaped link; "loopback" runs both ends on the loopback device of one fresh namespace.
 
+With a round-trip time (`--rtt`), each link also delays: with netem where the kernel has it (rate
+and half the RTT each way, `tc qdisc ... netem`), else through an external emulator named by
+`--wan-emulator` or DILOCOD_WAN_EMULATOR: a program called as `EMULATOR up RATE RTT_MS` that makes
+two namespaces, prints a line `A: netns NAME ... addr IP` for the client side and `B: ...` for the
+server side, and is called as `EMULATOR down` to remove them (the interface of this repository's
+`../shared/wanem/wanem.sh`, whose RATE is like `5g`). With neither, the command says both ways.
+
 Everything made here carries this process's id in its name and is removed on the way out: after
 each link, on error, on Ctrl-C and on SIGTERM. Namespaces left by a run that was killed with
 SIGKILL are found by that id at the next start (their process is gone) and removed then. Root is
@@ -40,11 +47,27 @@ TBF_BURST_S = 0.002
 TBF_MIN_BURST_BYTES = 256 * 1024
 TBF_LATENCY = "20ms"
 CLIENT_TIMEOUT_S = 600.0
+#: netem's queue in packets: a bandwidth-delay product of 5 Gbit/s x 100 ms in 1500-byte packets.
+NETEM_LIMIT_PACKETS = 50_000
 _RATE = re.compile(r"^(\d+(?:\.\d+)?)(k|m|g)?bit$", re.IGNORECASE)
+
+
+#: Where the external WAN emulator may be named instead of --wan-emulator.
+EMULATOR_ENV = "DILOCOD_WAN_EMULATOR"
+_EMULATOR_SIDE = re.compile(r"^\s*([AB]):\s+netns\s+(\S+)\s+.*\baddr\s+([0-9.]+)")
+_RTT = re.compile(r"^(\d+(?:\.\d+)?)\s*ms$")
 
 
 class LocalBenchError(Exception):
     """The local benchmark cannot run here (not root, no ip/tc) or a step of it failed."""
+
+
+def parse_rtt(text: str) -> float:
+    """'30ms', '100ms' or '0ms' -> milliseconds; ValueError naming the problem."""
+    match = _RTT.match(text.strip().lower())
+    if match is None:
+        raise ValueError(f"{text!r} is not a round-trip time in milliseconds (like 30ms or 100ms)")
+    return float(match.group(1))
 
 
 def parse_rate(text: str) -> str:
@@ -114,14 +137,82 @@ class Link:
     server: str
     client: str
     server_ip: str
+    rtt_ms: float = 0.0
+    #: How the delay is made: "" (none), "netem", or the external emulator's path.
+    delay_by: str = ""
 
     def exec_in(self, namespace: str, argv: Sequence[str]) -> list[str]:
         return ["ip", "netns", "exec", namespace, *argv]
 
 
+def netem_available() -> bool:
+    """Whether this kernel has netem: a qdisc added on the loopback device of a scratch namespace."""
+    name = f"{PREFIX}-{os.getpid()}-netem"
+    try:
+        _ip("netns", "add", name)
+        tc = ["tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"]
+        done = subprocess.run(["ip", "netns", "exec", name, *tc], capture_output=True, text=True, check=False)
+        return done.returncode == 0
+    finally:
+        _ip("netns", "delete", name, check=False)
+
+
+def choose_delay(rtts: Sequence[float], emulator: str | None) -> str:
+    """ "" when no link has a delay, else "netem" or the external emulator's path; LocalBenchError
+    naming both ways when neither is there."""
+    if not any(rtt > 0 for rtt in rtts):
+        return ""
+    if netem_available():
+        return "netem"
+    named = emulator or os.environ.get(EMULATOR_ENV)
+    if not named:
+        raise LocalBenchError(
+            "a round-trip time needs a delay: this kernel has no netem (`modprobe sch_netem` where the "
+            f"module exists), and no external emulator was named (--wan-emulator PATH or {EMULATOR_ENV})"
+        )
+    path = shutil.which(named) or named
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        raise LocalBenchError(f"the WAN emulator {named!r} is not an executable file")
+    return path
+
+
+def emulator_rate(rate: str) -> str:
+    """A tc rate ('5gbit', '500mbit') as the emulator takes it ('5g', '500m')."""
+    return rate[: -len("bit")]
+
+
+def emulator_sides(printed: str) -> dict[str, tuple[str, str]]:
+    """The sides `EMULATOR up` named: {"A": (namespace, ip), "B": (...)}, from its A: and B: lines."""
+    found = (_EMULATOR_SIDE.match(line) for line in printed.splitlines())
+    return {m.group(1): (m.group(2), m.group(3)) for m in found if m}
+
+
 @contextlib.contextmanager
-def shaped_link(rate: str, index: int) -> Iterator[Link]:
+def emulated_link(rate: str, rtt_ms: float, emulator: str) -> Iterator[Link]:
+    """The external emulator's two namespaces: B (the server) listens, A runs the client."""
+    up = subprocess.run(
+        [emulator, "up", emulator_rate(rate), f"{rtt_ms:g}"], capture_output=True, text=True, check=False
+    )
+    try:
+        if up.returncode != 0:
+            raise LocalBenchError(f"`{emulator} up` failed: {(up.stderr or up.stdout).strip()}")
+        sides = emulator_sides(up.stdout)
+        if set(sides) != {"A", "B"}:
+            raise LocalBenchError(f"`{emulator} up` named no A: and B: sides: {up.stdout!r}")
+        yield Link(rate, sides["B"][0], sides["A"][0], sides["B"][1], rtt_ms, emulator)
+    finally:
+        subprocess.run([emulator, "down"], capture_output=True, text=True, check=False)
+
+
+@contextlib.contextmanager
+def shaped_link(rate: str, index: int, rtt_ms: float = 0.0, delay_by: str = "") -> Iterator[Link]:
     """Make the namespaces (and the shaped veth pair) of one rate; remove them on exit."""
+    if rtt_ms > 0 and delay_by not in ("", "netem"):
+        if rate == LOOPBACK:
+            raise LocalBenchError("loopback has no rate for an emulated link: give a rate with --rtt")
+        with emulated_link(rate, rtt_ms, delay_by) as link:
+            yield link
+        return
     base = f"{PREFIX}-{os.getpid()}-{index}"
     made: list[str] = []
     try:
@@ -144,14 +235,18 @@ def shaped_link(rate: str, index: int) -> Iterator[Link]:
             _ip("-n", name, "addr", "add", f"{subnet}.{host}/30", "dev", dev)
             _ip("-n", name, "link", "set", dev, "up")
             # Both directions are shaped: pushes go client to server, the echoed update back.
-            tc = ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate]
-            tc += ["burst", str(burst_bytes(rate)), "latency", TBF_LATENCY]
+            if rtt_ms > 0:  # netem: the rate and half the round trip each way
+                tc = ["tc", "qdisc", "add", "dev", dev, "root", "netem", "delay", f"{rtt_ms / 2:g}ms"]
+                tc += ["rate", rate, "limit", str(NETEM_LIMIT_PACKETS)]
+            else:
+                tc = ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate]
+                tc += ["burst", str(burst_bytes(rate)), "latency", TBF_LATENCY]
             done = subprocess.run(
                 ["ip", "netns", "exec", name, *tc], capture_output=True, text=True, check=False
             )
             if done.returncode != 0:
                 raise LocalBenchError(f"`{' '.join(tc)}` failed: {done.stderr.strip()}")
-        yield Link(rate, server, client, f"{subnet}.1")
+        yield Link(rate, server, client, f"{subnet}.1", rtt_ms, "netem" if rtt_ms > 0 else "")
     finally:
         for name in reversed(made):
             _ip("netns", "delete", name, check=False)
@@ -213,22 +308,30 @@ def measure_rate(link: Link, plan: RunPlan, secret_file: Path, extra_env: dict[s
     finally:
         stop_process(server, timeout_s=10)
     (measured,) = result["links"]
-    return {"rate": link.rate, **{k: v for k, v in measured.items() if k != "rate"}}
+    delay = {"emulated_rtt_ms": link.rtt_ms, "delay_by": link.delay_by} if link.rtt_ms > 0 else {}
+    return {"rate": link.rate, **delay, **{k: v for k, v in measured.items() if k != "rate"}}
 
 
 def run_local(
-    rates: Sequence[str], plan: RunPlan, *, extra_env: dict[str, str] | None = None
+    rates: Sequence[str],
+    plan: RunPlan,
+    *,
+    extra_env: dict[str, str] | None = None,
+    rtts: Sequence[float] = (0.0,),
+    emulator: str | None = None,
 ) -> dict[str, Any]:
-    """Measure every rate; {"links": [...]} in the order given."""
+    """Measure every rate at every RTT (ms); {"links": [...]} rate by rate, in the order given."""
     require_tools()
     remove_stale()
+    delay_by = choose_delay(rtts, emulator)
     links = []
     with _terminate_as_interrupt(), tempfile.TemporaryDirectory(prefix="dilocod-bench-") as tmp:
         secret_file = Path(tmp) / "secret"
         # Authenticated like any link beyond loopback: the run exercises the real handshake.
         secret_file.write_text(secrets.token_hex(32) + "\n")
         secret_file.chmod(0o600)
-        for index, rate in enumerate(rates):
-            with shaped_link(rate, index) as link:
+        cases = [(rate, rtt) for rate in rates for rtt in rtts]
+        for index, (rate, rtt) in enumerate(cases):
+            with shaped_link(rate, index, rtt, delay_by if rtt > 0 else "") as link:
                 links.append(measure_rate(link, plan, secret_file, extra_env or {}))
     return {"links": links}

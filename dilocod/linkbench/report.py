@@ -7,7 +7,8 @@ The JSON document: {"links": [link, ...]}, one link per measured path, each with
     runs: [{codec, streams, gbps, ratio_to_raw, compression_ratio}],
     recommendation: {streams, codec, chunk_bytes}
 and more fields that say how it was measured (target, raw per stream count, round trip, codec
-figures, TCP settings, warnings; each run's ratio_to_none when uncompressed was measured beside it).
+figures, TCP settings, warnings; each run's ratio_to_none when uncompressed was measured beside it;
+from `bench local --rtt`, emulated_rtt_ms and delay_by: "netem" or the emulator's path).
 """
 
 from __future__ import annotations
@@ -66,10 +67,18 @@ def _fields(value: Any, fields: dict[str, tuple[type, ...]], where: str) -> list
     return errors
 
 
+def link_name(link: dict[str, Any]) -> str:
+    """The rate, and the round trip `bench local --rtt` added to it (with what), if any."""
+    if "emulated_rtt_ms" not in link:
+        return str(link["rate"])
+    by = "netem" if link.get("delay_by") == "netem" else "emulator"
+    return f"{link['rate']} + {link['emulated_rtt_ms']:g} ms RTT ({by})"
+
+
 def format_link(link: dict[str, Any]) -> str:
     gloo = "not measured" if link["gloo_gbps"] is None else f"{link['gloo_gbps']:.2f} Gbps"
     lines = [
-        f"link {link['rate']} ({link.get('target', '')}): raw TCP {link['raw_gbps']:.2f} Gbps, "
+        f"link {link_name(link)} ({link.get('target', '')}): raw TCP {link['raw_gbps']:.2f} Gbps, "
         f"gloo broadcast {gloo}, RTT {link['rtt_ms']:.3f} ms",
     ]
     if "round_trip_ms" in link:
@@ -131,7 +140,7 @@ def plot(document: dict[str, Any], path: Path) -> str | None:
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(streams))], [str(s) for s in streams])
         ax.set_xlabel("data connections")
         ax.set_ylabel("Gbit/s of fragment data")
-        ax.set_title(f"link {link['rate']}")
+        ax.set_title(f"link {link_name(link)}")
         ax.legend(fontsize=7)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

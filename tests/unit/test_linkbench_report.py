@@ -9,8 +9,18 @@ from pathlib import Path
 
 import pytest
 
+from dilocod.linkbench import local
 from dilocod.linkbench.client import RunPlan
-from dilocod.linkbench.local import parse_rate, rate_gbps, run_args
+from dilocod.linkbench.local import (
+    LocalBenchError,
+    choose_delay,
+    emulator_rate,
+    emulator_sides,
+    parse_rate,
+    parse_rtt,
+    rate_gbps,
+    run_args,
+)
 from dilocod.linkbench.report import format_table, schema_errors
 from dilocod.linkbench.report import main as report_main
 from dilocod.linkbench.serve import MAX_GLOO_BYTES, parse_gloo_request
@@ -132,3 +142,47 @@ def test_replotting_checks_the_document(tmp_path: Path, capsys: pytest.CaptureFi
     assert "not a dilocod bench document: links[0].raw_gbps is missing" in capsys.readouterr().err
     assert not (tmp_path / "out.png").exists()
     assert report_main([str(bad)]) == 2
+
+
+def test_round_trip_times() -> None:
+    assert [parse_rtt(t) for t in ("30ms", " 100MS ", "0ms", "2.5ms")] == [30.0, 100.0, 0.0, 2.5]
+    for bad in ("30", "0.1s", "-5ms", "ms"):
+        with pytest.raises(ValueError, match="not a round-trip time"):
+            parse_rtt(bad)
+
+
+def test_the_emulators_sides_are_read_from_what_it_prints() -> None:
+    printed = (
+        "wanem up: rate 5g bit/s, rtt 100 ms, pid 12345, log run/wanem.log\n"
+        "A: netns wanem-a dev wan0 addr 10.77.0.1 (fd77::1)\n"
+        "B: netns wanem-b dev wan0 addr 10.77.0.2 (fd77::2)\n"
+    )
+    assert emulator_sides(printed) == {"A": ("wanem-a", "10.77.0.1"), "B": ("wanem-b", "10.77.0.2")}
+    assert emulator_sides("wanem up: failed\n") == {}
+    assert emulator_rate("5gbit") == "5g" and emulator_rate("500mbit") == "500m"
+
+
+def test_no_delay_needs_no_emulator_and_a_missing_one_is_named_both_ways(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    assert choose_delay([0.0], None) == ""
+    monkeypatch.setattr(local, "netem_available", lambda: False)
+    monkeypatch.delenv(local.EMULATOR_ENV, raising=False)
+    with pytest.raises(LocalBenchError, match=r"no netem .*--wan-emulator PATH or DILOCOD_WAN_EMULATOR"):
+        choose_delay([0.0, 30.0], None)
+    with pytest.raises(LocalBenchError, match="not an executable file"):
+        choose_delay([30.0], str(tmp_path / "nowhere.sh"))
+    script = tmp_path / "emulator.sh"
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o755)
+    monkeypatch.setenv(local.EMULATOR_ENV, str(script))
+    assert choose_delay([100.0], None) == str(script)
+    monkeypatch.setattr(local, "netem_available", lambda: True)
+    assert choose_delay([100.0], str(script)) == "netem"
+
+
+def test_the_table_names_the_added_round_trip() -> None:
+    document = copy.deepcopy(GOOD)
+    document["links"][0].update({"emulated_rtt_ms": 100.0, "delay_by": "/opt/wanem.sh"})
+    assert schema_errors(document) == []
+    assert "link 2gbit + 100 ms RTT (emulator)" in format_table(document)

@@ -224,8 +224,10 @@ def shaped_link(rate: str, index: int, rtt_ms: float = 0.0, delay_by: str = "") 
             return
         server, client = f"{base}-s", f"{base}-c"
         for name in (server, client):
-            _ip("netns", "add", name)
+            # Named as made before it exists: a SIGTERM right after `ip netns add` returns (the
+            # namespace is there, the append not yet run) must not leave it behind.
             made.append(name)
+            _ip("netns", "add", name)
             _ip("-n", name, "link", "set", "lo", "up")
         # Interface names are at most 15 bytes; made inside the server namespace, so they can
         # never clash with the host's or another run's, and go away with it.

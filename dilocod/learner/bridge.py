@@ -26,7 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from dilocod.learner.buffers import BufferPool
+from dilocod.learner.arena import Arena
+from dilocod.learner.buffers import BufferPool, bytearray_buffer
 from dilocod.wire.messages import FragmentRequest, Plan
 
 #: Fragment bytes: a bytearray of this process, or a view of memory shared with the network process.
@@ -128,10 +129,12 @@ class TrainingSide(Protocol):
 
 
 class Bridge:
-    def __init__(self) -> None:
+    def __init__(self, arena: Arena | None = None) -> None:
+        #: Where the fragments' first anchors are cut from (memory faulted in at start), if anywhere.
+        self.arena = arena
         #: Update and snapshot buffers, by size (the network process's bridge lends shared memory
         #: instead, its own pools).
-        self.pool = BufferPool()
+        self.pool = BufferPool(self._local_buffer)
         self._lock = threading.Lock()
         self._posted = threading.Condition(self._lock)
         self._plan: Plan | None = None
@@ -149,6 +152,16 @@ class Bridge:
     def attach(self, loop: asyncio.AbstractEventLoop, on_outbox: Callable[[], None]) -> None:
         with self._lock:
             self._loop, self._on_outbox = loop, on_outbox
+
+    def _local_buffer(self, bid: int, size: int) -> memoryview:
+        """The pool's make: a piece of the arena for an anchor it expects, else a bytearray."""
+        piece = None if self.arena is None else self.arena.take(size)
+        return bytearray_buffer(bid, size) if piece is None else piece[1]
+
+    def expect_anchors(self, sizes: list[int]) -> None:
+        """A new plan's fragment sizes (float32): what the arena may serve as their anchors."""
+        if self.arena is not None:
+            self.arena.expect(sizes)
 
     def update_buffer(self, size: int) -> memoryview:
         """Where an update stream of `size` bytes is received (the session's allocator): held by

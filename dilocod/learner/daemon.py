@@ -28,6 +28,7 @@ import structlog
 import torch
 
 from dilocod.contract import LearnerContext, Trainer
+from dilocod.learner.arena import anchors_ready
 from dilocod.learner.bridge import Bridge
 from dilocod.learner.entry import EntryError, load_trainer
 from dilocod.learner.health import StepWatch, status_line
@@ -159,10 +160,13 @@ def _run(setup: LearnerSetup, device: torch.device, island: Island | None, notif
     in_process = setup.network == "process" and leader
     link: Link | None = None
     side: SideReader | None = None
+    # The anchors' memory, faulted in before the Link joins (dilocod.learner.arena); an island's
+    # other ranks never run a Link.
+    arena = anchors_ready(model, shared=in_process) if leader else None
     if in_process:
         bridge, side, side_child = open_network_process()
     else:
-        bridge = Bridge()
+        bridge = Bridge(arena)
         link = Link(setup.link, model, bridge)
 
     def link_stats() -> dict[str, Any]:
@@ -196,7 +200,7 @@ def _run(setup: LearnerSetup, device: torch.device, island: Island | None, notif
         link.incarnation = loop.incarnation
     else:
         assert isinstance(bridge, ProcessBridge)
-        bridge.spawn(encode_config(setup.link, model, loop.incarnation, setup.use_uvloop), side_child)
+        bridge.spawn(encode_config(setup.link, model, loop.incarnation, setup.use_uvloop), side_child, arena)
     if not loop.leader:
         # Under torchrun, systemd watches the launcher, not the ranks; rank 0 speaks for the island.
         notifier = Notifier()

@@ -437,7 +437,9 @@ class Link:
 
     def _adopt_plan(self, plan: Plan) -> None:
         shapes = {e.name: e.shape for e in plan.model}
-        self._manifests = [fragment_manifest(pieces, shapes)[0] for pieces in plan.fragments]
+        layouts = [fragment_manifest(pieces, shapes) for pieces in plan.fragments]
+        self._manifests = [manifest for manifest, _ in layouts]
+        self.bridge.expect_anchors([size for _, size in layouts])
         if plan.incarnation != self.incarnation and self.incarnation:
             log.info("new syncer incarnation: healing", old=self.incarnation, new=plan.incarnation)
         self.incarnation = self.stats.incarnation = plan.incarnation

@@ -73,6 +73,7 @@ from typing import Any
 import msgpack
 import structlog
 
+from dilocod.learner.arena import Arena
 from dilocod.learner.bridge import Adopt, Bridge, Buffer, Inbox, Snapshot, StepReportItem, newer_update
 from dilocod.learner.buffers import BufferOwnershipError, BufferPool
 from dilocod.learner.control import control_from_raw, control_to_raw
@@ -170,10 +171,13 @@ class Lender:
 
 
 class Mapper:
-    """The other side's buffers, mapped once each by id."""
+    """The other side's buffers, mapped once each by id, and the pieces it cut from the anchors'
+    arena (this side's, when it has one)."""
 
-    def __init__(self) -> None:
+    def __init__(self, arena: Arena | None = None) -> None:
         self._maps: dict[int, mmap.mmap] = {}
+        self.arena = arena
+        self._pieces: dict[int, memoryview] = {}
 
     def add(self, bid: int, fd: int, size: int) -> None:
         try:
@@ -181,7 +185,19 @@ class Mapper:
         finally:
             os.close(fd)
 
+    def add_piece(self, bid: int, size: int, offset: int) -> None:
+        """Buffer `bid` is the piece of the anchors' arena (ours, mapped already) at `offset`."""
+        if self.arena is None:
+            raise NetworkProcessError(f"buffer {bid} passed as a piece of an arena this side has not got")
+        try:
+            self._pieces[bid] = self.arena.view(offset, size)
+        except ValueError as exc:
+            raise NetworkProcessError(f"buffer {bid}: {exc}") from None
+
     def view(self, bid: int, size: int) -> memoryview:
+        piece = self._pieces.get(bid)
+        if piece is not None and len(piece) == size:
+            return piece
         buffer = self._maps.get(bid)
         if buffer is None or len(buffer) < size:
             raise NetworkProcessError(f"buffer {bid} of {size} bytes was never passed")
@@ -323,14 +339,19 @@ class Channel:
 
 
 def _take_fds(message: dict[str, Any], fds: list[int], mapper: Mapper) -> None:
-    """Map the buffers a message introduces ("new": [[id, size], ...], one descriptor each)."""
+    """Map the buffers a message introduces ("new": [id, size] with one descriptor each, in order,
+    and [id, size, offset] for pieces of the anchors' arena, which need none)."""
     new = message.get("new", [])
-    if len(new) != len(fds):
+    shapes_ok = all(isinstance(e, list) and len(e) in (2, 3) and all(type(v) is int for v in e) for e in new)
+    owned = [e for e in new if len(e) == 2] if shapes_ok else []
+    if not shapes_ok or len(owned) != len(fds):
         for fd in fds:
             os.close(fd)
         raise NetworkProcessError(f"{len(new)} new buffers announced, {len(fds)} descriptors passed")
-    for (bid, size), fd in zip(new, fds, strict=True):
-        mapper.add(int(bid), fd, int(size))
+    for (bid, size), fd in zip(owned, fds, strict=True):
+        mapper.add(bid, fd, size)
+    for bid, size, offset in (e for e in new if len(e) == 3):
+        mapper.add_piece(bid, size, offset)
 
 
 # ----------------------------------------------------------------------------- the parent's side
@@ -566,18 +587,25 @@ class ProcessBridge:
         status = None if self.process is None else self.process.poll()
         raise NetworkProcessError(f"the learner's network process stopped ({why}; exit status {status})")
 
-    def spawn(self, config: dict[str, Any], side: socket.socket) -> None:
-        """Start the child on the other ends of the sockets and hand it its configuration."""
+    def spawn(self, config: dict[str, Any], side: socket.socket, arena: Arena | None = None) -> None:
+        """Start the child on the other ends of the sockets and hand it its configuration, and the
+        anchors' arena (a shared one, populated) to cut the first anchors from."""
         command = [sys.executable, "-m", "dilocod.learner.netproc"]
         assert self.counts.fd is not None, "spawned twice"
         fds = (self._child_data.fileno(), side.fileno(), self.counts.fd)
         command += ["--data-fd", str(fds[0]), "--side-fd", str(fds[1]), "--counts-fd", str(fds[2])]
+        if arena is not None and arena.fd is not None:
+            fds += (arena.fd,)
+            command += ["--arena-fd", str(arena.fd), "--arena-bytes", str(arena.size)]
+            self._mapper.arena = arena
         try:
             self.process = subprocess.Popen(command, pass_fds=fds)
         finally:
             self._child_data.close()
             side.close()
             self.counts.close_fd()
+            if arena is not None:
+                arena.close()  # the child has its own descriptor; the mapping stays
         self.channel.queue({"k": "config", "config": config})
         self._send()
 
@@ -662,13 +690,15 @@ class ChildBridge(Bridge):
     Its pool's buffers are shared memory the parent maps: the Link receives updates into them,
     and the parent holds each one it was sent until it gives it back ("release" in its outbox)."""
 
-    def __init__(self, channel: Channel) -> None:
-        super().__init__()
+    def __init__(self, channel: Channel, arena: Arena | None = None) -> None:
+        super().__init__(arena)
         self.channel = channel
         self._mapper = Mapper()
-        #: This side's buffers' mappings and the descriptors not yet passed to the parent.
+        #: This side's buffers' mappings and the descriptors not yet passed to the parent, and the
+        #: offsets of the arena's pieces not yet passed.
         self._maps: dict[int, mmap.mmap] = {}
         self._unsent_fds: dict[int, int] = {}
+        self._offsets: dict[int, int] = {}
         self.pool = BufferPool(self._shared_buffer)
         #: id(θ view) -> (the parent's buffer id, the view) for the snapshots the Link holds.
         self._thetas: dict[int, tuple[int, memoryview]] = {}
@@ -686,7 +716,12 @@ class ChildBridge(Bridge):
         self.closed = asyncio.Event()
 
     def _shared_buffer(self, bid: int, size: int) -> memoryview:
-        """The pool's make: a memfd, passed to the parent with the first update it carries."""
+        """The pool's make: a piece of the arena for an anchor it expects, else a memfd of its own;
+        passed to the parent with the first update it carries."""
+        piece = None if self.arena is None else self.arena.take(size)
+        if piece is not None:
+            self._offsets[bid], view = piece
+            return view
         fd, self._maps[bid] = _shared_memory(f"dilocod-{bid}", size)
         self._unsent_fds[bid] = fd
         return memoryview(self._maps[bid])[:size]
@@ -697,6 +732,7 @@ class ChildBridge(Bridge):
         if bid is not None:
             # Never handed out again; the mapping lives on while the transport's view of it does.
             self._maps.pop(bid, None)
+            self._offsets.pop(bid, None)
             fd = self._unsent_fds.pop(bid, None)
             if fd is not None:
                 os.close(fd)
@@ -793,9 +829,12 @@ class ChildBridge(Bridge):
                     bid = lease.bid
                 ids.append(bid)
                 fd = self._unsent_fds.pop(bid, None)
+                offset = self._offsets.pop(bid, None)
                 if fd is not None:
                     new.append([bid, len(update.buffer)])
                     fds.append(fd)
+                elif offset is not None:
+                    new.append([bid, len(update.buffer), offset])
             releases, self._releases = self._releases, []
             control = control_to_raw(part)
             message = {"k": "inbox", "control": control, "ids": ids, "new": new, "release": releases}
@@ -1001,11 +1040,12 @@ async def _child_main(
     side: socket.socket,
     config: ChildConfig,
     backlog: Sequence[tuple[dict[str, Any], list[int]]],
+    arena: Arena | None,
 ) -> None:
     from dilocod.learner.link import Link  # noqa: PLC0415
 
     loop = asyncio.get_running_loop()
-    bridge = ChildBridge(channel)
+    bridge = ChildBridge(channel, arena)
     bridge.start(loop, backlog)
     link = Link(config.link, config.model, bridge)
     link.incarnation = config.incarnation
@@ -1049,6 +1089,8 @@ def child(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--data-fd", type=int, required=True)
     parser.add_argument("--side-fd", type=int, required=True)
     parser.add_argument("--counts-fd", type=int, required=True)
+    parser.add_argument("--arena-fd", type=int, help="the anchors' memfd (dilocod.learner.arena)")
+    parser.add_argument("--arena-bytes", type=int, help="its size")
     args = parser.parse_args(argv)
     # The parent decides when to stop (it finishes its step, saves, then closes our socket); a
     # Ctrl-C on the terminal or systemd's SIGTERM to the whole unit must not cut the goodbye short.
@@ -1072,7 +1114,8 @@ def child(argv: Sequence[str] | None = None) -> int:
         return 1
     config = decode_config(first[0][0]["config"])
     import_encoder(config.link.precision)  # torch for a lossy precision: not in the first push
-    run(_child_main(channel, side, config, first[1:]), use_uvloop=config.use_uvloop)
+    arena = None if args.arena_fd is None else Arena(args.arena_bytes, shared=True, fd=args.arena_fd)
+    run(_child_main(channel, side, config, first[1:], arena), use_uvloop=config.use_uvloop)
     return 0
 
 

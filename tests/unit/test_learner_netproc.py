@@ -18,6 +18,7 @@ import pytest
 import structlog
 
 from dilocod.learner import netproc
+from dilocod.learner.arena import ALIGN, Arena, arena_size
 from dilocod.learner.bridge import Adopt, Snapshot, StepReportItem, newer_update
 from dilocod.learner.netproc import (
     MAX_DATAGRAM_BYTES,
@@ -28,6 +29,7 @@ from dilocod.learner.netproc import (
     NetworkProcessError,
     ProcessBridge,
     SentCounts,
+    _take_fds,
 )
 from dilocod.wire.manifest import ModelEntry
 from dilocod.wire.messages import FragmentRequest, Plan
@@ -111,9 +113,9 @@ def test_lent_buffers_are_shared_and_reused() -> None:
 class _Child:
     """A ChildBridge on its own event loop thread, as in the network process (without a Link)."""
 
-    def __init__(self, sock: socket.socket, counts: SentCounts) -> None:
+    def __init__(self, sock: socket.socket, counts: SentCounts, arena: Arena | None = None) -> None:
         self.loop = asyncio.new_event_loop()
-        self.bridge = ChildBridge(Channel(sock, counts, SentCounts.CHILD))
+        self.bridge = ChildBridge(Channel(sock, counts, SentCounts.CHILD), arena)
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.call(self.bridge.start, self.loop, [])
@@ -517,3 +519,49 @@ def test_the_training_side_leaving_with_an_inbox_unread_is_no_error(
             threading.Event().wait(DEADLINE_S / 100)
     assert child.call(child.bridge.closed.is_set)
     assert [r for r in logs if r["log_level"] in ("error", "warning")] == []
+
+
+def test_first_anchors_cross_as_pieces_of_the_training_sides_arena() -> None:
+    """The training side's arena, mapped by the child: an update the plan expects lands in a piece of
+    it and reaches the parent as an offset (no descriptor, no new mapping); one it does not expect (a
+    second of that size while the first is held) lands in a memfd of the child's own."""
+    owner = Arena(arena_size(4 * ALIGN), shared=True)
+    assert owner.fd is not None
+    parent = ProcessBridge()
+    parent._mapper.arena = owner  # as spawn does
+    child = _Child(parent._child_data, parent.counts, Arena(owner.size, shared=True, fd=os.dup(owner.fd)))
+    try:
+        child.call(child.bridge.expect_anchors, [ALIGN + 5, 64])
+        _receive(child, 0, 1, b"\x07" * (ALIGN + 5), heal=True)
+        _receive(child, 1, 1, b"\x09" * 64, heal=True)
+        anchors: dict[int, memoryview] = {}
+        while len(anchors) < 2:
+            for update in _take_until(parent, lambda i: i.updates).updates:  # type: ignore[attr-defined]
+                anchors[update.fragment] = update.buffer
+        assert bytes(anchors[0]) == b"\x07" * (ALIGN + 5) and bytes(anchors[1]) == b"\x09" * 64
+        # The parent reads them in its own arena: the first at 0, the second on the next page but one.
+        assert bytes(owner.view(0, ALIGN + 5)) == bytes(anchors[0])
+        assert bytes(owner.view(2 * ALIGN, 64)) == bytes(anchors[1])
+        _receive(child, 0, 2, b"\x08" * (ALIGN + 5))
+        (newer,) = _take_until(parent, lambda i: i.updates).updates  # type: ignore[attr-defined]
+        assert bytes(newer.buffer) == b"\x08" * (ALIGN + 5)
+        assert bytes(owner.view(0, ALIGN + 5)) == b"\x07" * (ALIGN + 5)  # not written over the anchor
+        assert child.call(lambda: child.bridge.arena.used) == ALIGN + 5 + 64
+    finally:
+        parent.close()
+        child.close()
+        owner.close()
+
+
+def test_a_piece_of_an_arena_the_parent_has_not_got_is_refused() -> None:
+    with pytest.raises(NetworkProcessError, match="arena this side has not got"):
+        _take_fds({"new": [[1, 10, 0]]}, [], Mapper())
+    read, write = os.pipe()
+    with pytest.raises(NetworkProcessError, match="1 new buffers announced, 2 descriptors passed"):
+        _take_fds({"new": [[1, 10]]}, [read, write], Mapper())
+    for fd in (read, write):
+        with pytest.raises(OSError):
+            os.fstat(fd)  # closed: nothing leaks from a bad message
+    arena = Arena(2 * ALIGN, shared=False)
+    with pytest.raises(NetworkProcessError, match="buffer 1: no piece"):
+        _take_fds({"new": [[1, 10, 3]]}, [], Mapper(arena))

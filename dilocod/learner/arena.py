@@ -36,7 +36,7 @@ log = structlog.get_logger("dilocod.learner")
 #: Pieces start on a page boundary (what a mapping at an offset needs).
 ALIGN = mmap.ALLOCATIONGRANULARITY
 #: Room for the page alignment of this many fragments, beyond the model's own bytes.
-MAX_FRAGMENTS_ALIGNED = 4096
+MAX_FRAGMENTS_ALIGNED = 1024
 #: Threads that fault the region in, at most.
 MAX_POPULATE_THREADS = 8
 

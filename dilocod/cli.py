@@ -239,7 +239,11 @@ def _run_plan_options(command: Callable[..., Any]) -> Callable[..., Any]:
     options = [
         click.option("--size", default="256MiB", show_default=True, help="Fragment size per transfer."),
         click.option(
-            "--streams", default="1,2,4,8", show_default=True, help="Data connection counts to try."
+            "--streams",
+            default="1,2,4,8",
+            show_default=True,
+            help="Data connection counts to try (1-64); auto is what `dilocod learner --streams auto` "
+            "opens without advice at the RTT measured here.",
         ),
         click.option(
             "--codec",
@@ -296,11 +300,18 @@ def _run_plan(
     vs: str,
 ) -> RunPlan:
     from dilocod.config import parse_duration  # noqa: PLC0415
-    from dilocod.linkbench.client import RunPlan  # noqa: PLC0415
+    from dilocod.linkbench.client import AUTO_STREAMS, RunPlan  # noqa: PLC0415
+
+    def stream_counts() -> tuple[int, ...]:
+        items = parse_list(streams, key="--streams")
+        return tuple(
+            AUTO_STREAMS if item == "auto" else parse_int_list(item, key="--streams", low=1, high=64)[0]
+            for item in items
+        )
 
     return RunPlan(
         size_bytes=_parsed(lambda: parse_size(size, key="--size")),
-        streams=tuple(_parsed(lambda: parse_int_list(streams, key="--streams", low=1, high=64))),
+        streams=_parsed(stream_counts),
         codecs=tuple(_parsed(lambda: parse_list(codec, key="--codec", choices=(*CODEC_CHOICES, "auto")))),
         duration_s=_parsed(lambda: parse_duration(duration, key="--duration")),
         vs_gloo=vs == "gloo",

@@ -49,13 +49,14 @@ from dilocod.transport.errors import HandshakeFailed, SessionClosed, TransferFai
 from dilocod.transport.options import TransportOptions
 from dilocod.transport.session import FragmentReceived, Session, allocate_bytearray
 from dilocod.transport.tuning import (
+    AUTO_RATE_GBPS,
     Advice,
     CodecChoice,
     CodecFigure,
     CodecTuner,
     PushMeter,
+    auto_streams,
     bdp_warning,
-    choose_streams,
     measure_codecs,
     read_tcp_settings,
     spread_sample,
@@ -91,12 +92,6 @@ FATAL_CODES = {
 }
 
 
-#: --streams auto without advice: the rate the stream count is planned for (the top of the 2-5
-#: Gbit/s links dilocod is built for); at least two data connections, so that losing one leaves
-#: another to resend its chunks on, and at most 16.
-AUTO_RATE_GBPS = 5.0
-AUTO_MIN_STREAMS = 2
-AUTO_MAX_STREAMS = 16
 #: --codec auto: push periods that carried less say more about latency than about the link rate,
 #: and are not counted; a model whose fragments are smaller stays uncompressed, and its codecs are
 #: not even timed.
@@ -407,21 +402,16 @@ class Link:
         return f"{message} (syncer: {detail})" if detail else message
 
     def _auto_streams(self, dialled_s: float, session: Session) -> int:
-        """--streams auto without advice: enough data connections to keep AUTO_RATE_GBPS x RTT in
-        flight with this host's TCP windows, the RTT as the kernel measured it on the control
-        connection. Where the kernel does not say, the time the control connection took to open
-        stands in: a few round trips, so more streams than needed, the cheaper mistake."""
+        """--streams auto without advice (tuning.auto_streams): enough data connections to keep
+        AUTO_RATE_GBPS x RTT in flight with this host's TCP windows and some headroom, the RTT as
+        the kernel measured it on the control connection. Where the kernel does not say, the time
+        the control connection took to open stands in: a few round trips, so more streams than
+        needed, the cheaper mistake."""
         rtt_s, measured_by = session.round_trip_s(), "kernel"
         if rtt_s is None:
             rtt_s, measured_by = asyncio.get_running_loop().time() - dialled_s, "connect time"
         settings = read_tcp_settings()
-        choice = choose_streams(
-            AUTO_RATE_GBPS,
-            rtt_s,
-            settings.max_window_bytes,
-            min_streams=AUTO_MIN_STREAMS,
-            max_streams=AUTO_MAX_STREAMS,
-        )
+        choice = auto_streams(rtt_s, settings)
         warning = bdp_warning(AUTO_RATE_GBPS, rtt_s, settings, choice.streams)
         (log.warning if warning else log.info)(
             "streams chosen",

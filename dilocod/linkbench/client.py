@@ -22,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any, Protocol
@@ -61,6 +62,8 @@ class Progress(Protocol):
 @dataclass(frozen=True, slots=True)
 class RunPlan:
     size_bytes: int = 256 << 20
+    #: Data connection counts; AUTO_STREAMS is what `dilocod learner --streams auto` would open
+    #: without advice at the RTT measured here (tuning.auto_streams).
     streams: tuple[int, ...] = (1, 2, 4, 8)
     codecs: tuple[str, ...] = ("none", "lz4", "zstd", "auto")
     duration_s: float = 20.0
@@ -79,6 +82,15 @@ class RunPlan:
     def steps(self) -> int:
         """Progress steps: one per (streams, codec) combination, plus RTT, round trip and gloo."""
         return len(self.streams) * len(self.codecs) + 2 + int(self.vs_gloo)
+
+
+#: In RunPlan.streams: the learner's own choice (`--streams auto`), resolved once the RTT is known.
+AUTO_STREAMS = 0
+
+
+def streams_text(streams: Sequence[int]) -> str:
+    """RunPlan.streams as `--streams` takes it."""
+    return ",".join("auto" if s == AUTO_STREAMS else str(s) for s in streams)
 
 
 def make_data(kind: str, size_bytes: int, seed: int = 0) -> tuple[bytearray, int]:
@@ -320,12 +332,17 @@ async def measure_link(
         await session.close("bench probe done")
     rtt_s = measure_rtt(host, raw_port)
     progress.advance(f"RTT {rtt_s * 1e3:.3f} ms")
+    settings = tuning.read_tcp_settings()
+    auto_choice = tuning.auto_streams(rtt_s, settings) if AUTO_STREAMS in plan.streams else None
+    if auto_choice is not None:
+        progress.note(f"auto streams: {auto_choice.streams} ({auto_choice.reason})")
+    counts = [auto_choice.streams if s == AUTO_STREAMS and auto_choice else s for s in plan.streams]
     sample = memoryview(data)[: min(len(data), 32 << 20)]
     figures = tuning.measure_codecs(sample, chunk_bytes=plan.chunk_bytes, shuffle_item_size=item)
     link = _Link(host, port, raw_port, plan, data, item, progress, figures)
     # Fit the repeats into --duration from one raw transfer's time (the slowest part of each pair
     # is the raw or the uncompressed push, both about one transfer at the link's rate).
-    with_raw = RawClient(host, raw_port, max(plan.streams), "threaded")
+    with_raw = RawClient(host, raw_port, max(counts), "threaded")
     try:
         with_raw.send(memoryview(data))
         transfer_s = with_raw.send(memoryview(data))
@@ -335,8 +352,10 @@ async def measure_link(
     link.repeats = max(MIN_REPEATS, min(MAX_REPEATS, int(plan.duration_s / (pairs * 2 * transfer_s))))
     runs: list[dict[str, Any]] = []
     raw_by_streams: dict[int, float] = {}
-    for streams in plan.streams:
+    for streams, asked in zip(counts, plan.streams, strict=True):
         rows, ceiling = await link.combinations(streams, secret)
+        if asked == AUTO_STREAMS:
+            rows = [{**row, "streams_auto": True} for row in rows]
         runs.extend(rows)
         raw_by_streams[streams] = round(ceiling, 3)
     raw_gbps = max(raw_by_streams.values())
@@ -348,7 +367,6 @@ async def measure_link(
     if plan.vs_gloo:
         gloo_gbps = round(await link.gloo(secret), 3)
         progress.advance(f"gloo {gloo_gbps:.2f} Gbps")
-    settings = tuning.read_tcp_settings()
     recommendation = recommend(runs, raw_gbps, rtt_s, settings, link.auto, plan)
     warnings = [
         w
@@ -371,6 +389,9 @@ async def measure_link(
         "codec_figures": [_figure_json(f) for f in figures],
         "tcp": _settings_json(settings),
         "warnings": warnings,
+        "auto_streams": None
+        if auto_choice is None
+        else {"streams": auto_choice.streams, "reason": auto_choice.reason},
         "size_bytes": len(data),
         "data": plan.data,
         "repeats": link.repeats,

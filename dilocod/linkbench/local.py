@@ -34,7 +34,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from dilocod.linkbench.client import RunPlan
+from dilocod.linkbench.client import RunPlan, streams_text
 from dilocod.ops.processes import read_ready_line, stop_process
 
 PREFIX = "dilocod-bench"
@@ -270,7 +270,7 @@ def _terminate_as_interrupt() -> Iterator[None]:
 
 def run_args(plan: RunPlan) -> list[str]:
     """`dilocod bench run` options that reproduce plan in the child."""
-    args = ["--size", str(plan.size_bytes), "--streams", ",".join(map(str, plan.streams))]
+    args = ["--size", str(plan.size_bytes), "--streams", streams_text(plan.streams)]
     args += ["--codec", ",".join(plan.codecs), "--duration", f"{plan.duration_s}s", "--data", plan.data]
     args += ["--chunk", str(plan.chunk_bytes), "--assumed-rtt", f"{plan.assumed_rtt_s * 1e3}ms"]
     args += ["--vs", "gloo"] if plan.vs_gloo else ["--vs", "none"]

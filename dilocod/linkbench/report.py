@@ -93,8 +93,9 @@ def format_link(link: dict[str, Any]) -> str:
         codec = run["codec"] if run["codec"] != "auto" else f"auto:{run.get('chosen', '?')}"
         vs_gloo = f"{run['gbps'] / link['gloo_gbps']:6.2f}" if link["gloo_gbps"] else f"{'-':>6}"
         vs_none = f"{run['ratio_to_none']:6.2f}" if "ratio_to_none" in run else f"{'-':>6}"
+        count = f"auto:{run['streams']}" if run.get("streams_auto") else str(run["streams"])
         lines.append(
-            f"  {run['streams']:>7} {codec:>10} {run['gbps']:>7.2f} {run['ratio_to_raw']:>6.2f} {vs_none} "
+            f"  {count:>7} {codec:>10} {run['gbps']:>7.2f} {run['ratio_to_raw']:>6.2f} {vs_none} "
             f"{vs_gloo} {run['compression_ratio']:>10.3f}x"
         )
     rec = link["recommendation"]

@@ -230,10 +230,16 @@ def _round_up_mib(n: float) -> int:
 
 
 def choose_streams(
-    rate_gbps: float, rtt_s: float, window_bytes: int, *, min_streams: int = 1, max_streams: int = 16
+    rate_gbps: float,
+    rtt_s: float,
+    window_bytes: int,
+    *,
+    min_streams: int = 1,
+    max_streams: int = 16,
+    headroom: float = 1.0,
 ) -> StreamsChoice:
-    """Enough streams to keep rate x rtt (the bandwidth-delay product) in flight: ceil(bdp /
-    window), clamped to min_streams..max_streams.
+    """Enough streams to keep rate x rtt (the bandwidth-delay product) in flight: ceil(bdp x
+    headroom / window), clamped to min_streams..max_streams.
 
     A TCP stream carries at most one window per round trip: a 4 MiB window at 100 ms carries
     4 MiB x 8 / 0.1 s = 0.34 Gbit/s, so 5 Gbit/s needs 15 streams. When max_streams cannot fill
@@ -244,14 +250,17 @@ def choose_streams(
         raise ValueError(f"window must be positive, not {window_bytes}")
     if not 1 <= min_streams <= max_streams:
         raise ValueError(f"need 1 <= min_streams <= max_streams, not {min_streams}, {max_streams}")
+    if headroom < 1.0:
+        raise ValueError(f"headroom must be at least 1, not {headroom}")
     per_stream = _per_stream_gbps(window_bytes, rtt_s)
     bdp = _bdp_bytes(rate_gbps, rtt_s)
-    needed = _streams_needed(bdp, window_bytes)
+    needed = _streams_needed(bdp * headroom, window_bytes)
     streams = min(max(needed, min_streams), max_streams)
     reason = (
         f"{rate_gbps:.2f} Gbit/s x {rtt_s * 1e3:.3g} ms RTT = {bdp / 1e6:.3g} MB in flight; one stream's "
         f"{_mib(window_bytes)} window carries {per_stream:.3g} Gbit/s, so {needed} stream"
         f"{'s fill' if needed != 1 else ' fills'} the link"
+        + (f" with {headroom:g} x headroom" if headroom > 1.0 else "")
     )
     advice = None
     if needed > max_streams:
@@ -266,6 +275,31 @@ def choose_streams(
     elif streams > needed:
         reason += f"; {streams} is the least used"
     return StreamsChoice(streams, per_stream, reason, advice)
+
+
+#: --streams auto without advice: the rate the stream count is planned for (the top of the 2-5
+#: Gbit/s links dilocod is built for); at least two data connections, so that losing one leaves
+#: another to resend its chunks on; at most 64 (a session's max_data_connections).
+AUTO_RATE_GBPS = 5.0
+AUTO_MIN_STREAMS = 2
+AUTO_MAX_STREAMS = 64
+#: Streams beyond what the windows' maxima need: a cubic stream's window spends most of its time
+#: below its maximum (at 100 ms and 4 MiB windows one carried 0.26 Gbit/s, 0.8 of window / RTT),
+#: and a connection costs little once open (docs/design.md).
+AUTO_HEADROOM = 1.5
+
+
+def auto_streams(rtt_s: float, settings: TcpSettings) -> StreamsChoice:
+    """What `--streams auto` opens without advice, at this RTT with this host's TCP windows: the
+    learner's choice for every session, and `dilocod bench`'s "auto" row."""
+    return choose_streams(
+        AUTO_RATE_GBPS,
+        rtt_s,
+        settings.max_window_bytes,
+        min_streams=AUTO_MIN_STREAMS,
+        max_streams=AUTO_MAX_STREAMS,
+        headroom=AUTO_HEADROOM,
+    )
 
 
 def bdp_warning(rate_gbps: float, rtt_s: float, settings: TcpSettings, streams: int) -> str | None:

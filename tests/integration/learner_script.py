@@ -118,8 +118,10 @@ class ScriptedLearner:
         def stepping() -> bool:
             if stop is not None and stop.is_set():
                 return False
-            return (steps is None and until is None) or (steps is not None and self.steps < steps) or (
-                until is not None and not until()
+            return (
+                (steps is None and until is None)
+                or (steps is not None and self.steps < steps)
+                or (until is not None and not until())
             )
 
         async with asyncio.TaskGroup() as tasks:

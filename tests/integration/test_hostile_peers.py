@@ -149,9 +149,7 @@ def test_huge_finite_pushes_never_reach_the_global_model(tmp_path: Path, entry_d
     _check_model(tmp_path / "state", tmp_path / "export.safetensors", initial, honest_steps)
 
 
-def test_absurd_numbers_from_one_learner_stop_nothing_for_the_others(
-    tmp_path: Path, entry_dir: Path
-) -> None:
+def test_absurd_numbers_from_one_learner_stop_nothing_for_the_others(tmp_path: Path, entry_dir: Path) -> None:
     """Step reports of 1e308 s and of 2^64 - 1 tokens close the sender's session; one of 3600 s
     (in range) is taken. Rounds, checkpoints and status go on for the honest learner throughout."""
     entries, initial = entry_model(entry_dir)

@@ -250,9 +250,7 @@ def test_status_command_reads_a_running_syncer(tmp_path: Path, entry_dir: Path) 
         assert solo["pushes"] >= solo["contributions"] and 0 <= solo["pushes_wasted"] < solo["pushes"]
         wasted = f"{solo['pushes_wasted'] / solo['pushes']:.1%}".replace(".", r"\.")
         row = rf"^solo\s+no\s+[\d.]+\s+6\s+\d+\s+100\.0%\s+[\d.]+%\s+{wasted}$"
-        assert re.search(row, table.stdout, re.MULTILINE), (
-            table.stdout
-        )
+        assert re.search(row, table.stdout, re.MULTILINE), table.stdout
         merged = re.search(r"^dilocod_rounds_merged_total (\S+)$", text, re.MULTILINE)
         assert merged is not None and float(merged.group(1)) == status["rounds_merged"]
         assert 'dilocod_learner_contributions_total{learner="solo"}' in text

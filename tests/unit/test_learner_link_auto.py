@@ -13,12 +13,14 @@ from structlog.testing import capture_logs
 
 import dilocod.learner.link as link_module
 from dilocod.learner.bridge import Bridge
-from dilocod.learner.link import AUTO_MAX_STREAMS, Link, LinkConfig
-from dilocod.transport.tuning import Advice, CodecFigure, TcpSettings
+from dilocod.learner.link import Link, LinkConfig
+from dilocod.transport.tuning import AUTO_MAX_STREAMS, Advice, CodecFigure, TcpSettings
 
 MiB = 1 << 20
 IMAGE = TcpSettings("bbr", ("bbr",), 4 * MiB, 4 * MiB, (4096, 131072, 32 * MiB), (4096, 16384, 4 * MiB))
 STOCK = TcpSettings("cubic", ("cubic",), 212992, 212992, (4096, 131072, 6 * MiB), (4096, 16384, 4 * MiB))
+#: Windows of 512 KiB: 64 streams carry 2.7 Gbit/s at 100 ms.
+SMALL = TcpSettings("cubic", ("cubic",), 212992, 212992, (4096, 131072, MiB), (4096, 16384, MiB // 2))
 COMPRESSIBLE = [
     CodecFigure("none", 1.0, math.inf, math.inf),
     CodecFigure("lz4", 1.1, 6.0, 20.0),
@@ -71,14 +73,22 @@ def test_streams_follow_the_rtt_and_the_windows(monkeypatch: pytest.MonkeyPatch)
     link = _link(streams="auto")
     monkeypatch.setattr(link_module, "read_tcp_settings", lambda: IMAGE)
     with capture_logs() as logs:
-        assert link._auto_streams(0.0, _Session(0.100)) == 15  # type: ignore[arg-type]  # 62.5 MB / 4 MiB
+        # 62.5 MB / 4 MiB = 14.9 windows, 1.5 x that with headroom
+        assert link._auto_streams(0.0, _Session(0.100)) == 23  # type: ignore[arg-type]
+        assert link._auto_streams(0.0, _Session(0.030)) == 7  # type: ignore[arg-type]  # 18.75 MB
         assert link._auto_streams(0.0, _Session(50e-6)) == 2  # type: ignore[arg-type]  # loopback: the least
-    assert [e["log_level"] for e in logs] == ["info", "info"]
+    assert [e["log_level"] for e in logs] == ["info", "info", "info"]
     assert (
-        logs[0]["rtt_ms"] == 100.0 and logs[0]["rtt_from"] == "kernel" and "15 streams" in logs[0]["reason"]
+        logs[0]["rtt_ms"] == 100.0 and logs[0]["rtt_from"] == "kernel" and "23 streams" in logs[0]["reason"]
     )
 
-    monkeypatch.setattr(link_module, "read_tcp_settings", lambda: STOCK)  # 3 MiB windows: 20 needed
+    monkeypatch.setattr(link_module, "read_tcp_settings", lambda: STOCK)  # 3 MiB windows: 30 with headroom
+    with capture_logs() as logs:
+        assert link._auto_streams(0.0, _Session(0.100)) == 30  # type: ignore[arg-type]
+    assert [e["log_level"] for e in logs] == ["info"]
+
+    # 512 KiB windows: too few even at 64
+    monkeypatch.setattr(link_module, "read_tcp_settings", lambda: SMALL)
     with capture_logs() as logs:
         assert link._auto_streams(0.0, _Session(0.100)) == AUTO_MAX_STREAMS  # type: ignore[arg-type]
     [entry] = logs

@@ -18,7 +18,14 @@ from pathlib import Path
 import pytest
 
 from dilocod.linkbench.client import RunPlan
-from dilocod.linkbench.local import PREFIX, LocalBenchError, our_namespaces, run_local
+from dilocod.linkbench.local import (
+    EMULATOR_ENV,
+    PREFIX,
+    LocalBenchError,
+    netem_available,
+    our_namespaces,
+    run_local,
+)
 from dilocod.linkbench.report import schema_errors
 from dilocod.ops.processes import read_ready_line, stop_process
 from dilocod.transport.tuning import load_advice
@@ -160,3 +167,47 @@ def test_without_root_it_says_so_and_makes_nothing(monkeypatch: pytest.MonkeyPat
     monkeypatch.undo()
     # Its own namespaces only: another run of the suite on this host may be making some.
     assert namespaces_of(os.getpid()) == []
+
+
+def _delay_args() -> list[str]:
+    """How this host delays a link: netem where the kernel has it, else the WAN emulator named by
+    DILOCOD_WAN_EMULATOR or the one built beside this repository (../shared/wanem); a skip with
+    the reason when there is neither (an external tool: never required of a host)."""
+    if netem_available():
+        return []
+    named = os.environ.get(EMULATOR_ENV)
+    beside = Path(__file__).resolve().parents[2].parent / "shared" / "wanem" / "wanem.sh"
+    emulator = Path(named) if named else beside
+    if not emulator.is_file() or (not named and not (emulator.parent / "wanem").is_file()):
+        pytest.skip(f"no netem in this kernel and no WAN emulator ({EMULATOR_ENV} or a built {beside})")
+    return ["--wan-emulator", str(emulator)]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("_root")
+def test_a_link_with_a_round_trip_carries_the_learners_own_stream_count_near_raw(tmp_path: Path) -> None:
+    """One delayed link end to end (2 Gbit/s, 30 ms): the RTT measured across it is the one asked
+    for, the row `--streams auto` opens is the learner's choice at that RTT, and its pushes come
+    near the raw multi-stream rate of the same link in the same run (the targets themselves are
+    measured by the benchmark, bench/notes/wan-rtt.md; this bound only catches a transport that
+    stops striping or stalls at real RTT)."""
+    out = tmp_path / "links.json"
+    command = dilocod("bench", "local", "--rate", "2gbit", "--rtt", "30ms", *_delay_args())
+    command += ["--streams", "auto", "--codec", "none", "--data", "random", "--size", "64MiB"]
+    command += ["--duration", "4s", "--json", str(out)]
+
+    def listed() -> str:
+        return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+
+    before = listed()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _, stderr = process.communicate(timeout=RUN_TIMEOUT_S)
+    assert process.returncode == 0, stderr.decode()
+    assert listed() == before  # ours and the emulator's namespaces are gone
+    document = json.loads(out.read_text())
+    assert schema_errors(document) == []
+    (link,) = document["links"]
+    assert link["emulated_rtt_ms"] == 30.0 and 25.0 <= link["rtt_ms"] <= 60.0, link["rtt_ms"]
+    (row,) = link["runs"]
+    assert row["streams_auto"] and row["streams"] == link["auto_streams"]["streams"] >= 2
+    assert row["gbps"] >= 0.7 * link["raw_gbps"], (row, link["raw"])

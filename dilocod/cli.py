@@ -455,6 +455,14 @@ def bench_run(
     help="A WAN emulator for kernels without netem, called as `PATH up RATE RTT_MS` and `PATH down` "
     "(like wanem.sh)  [default: $DILOCOD_WAN_EMULATOR].",
 )
+@click.option(
+    "--sysctls",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    metavar="FILE",
+    help="A sysctl.d file (like systemd/sysctl.d/60-dilocod-wan.conf) to apply inside each link's "
+    "namespaces before measuring; keys that are not per namespace are reported, never set on the host.",
+)
 @_run_plan_options
 @click.option(
     "--vs",
@@ -467,6 +475,7 @@ def bench_local(
     rate: str,
     rtt: str,
     wan_emulator: str | None,
+    sysctls: Path | None,
     vs: str,
     json_out: str | None,
     plot_out: Path | None,
@@ -488,7 +497,7 @@ def bench_local(
         _config_error(f"--rtt: {exc}")
     plan = _run_plan(vs=vs, **plan_flags)
     try:
-        document = run_local(rates, plan, rtts=rtts, emulator=wan_emulator)
+        document = run_local(rates, plan, rtts=rtts, emulator=wan_emulator, sysctls=sysctls)
     except LocalBenchError as exc:
         click.echo(f"dilocod bench local: {exc}", err=True)
         sys.exit(1)

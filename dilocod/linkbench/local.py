@@ -145,6 +145,44 @@ class Link:
         return ["ip", "netns", "exec", namespace, *argv]
 
 
+def parse_sysctls(text: str) -> list[tuple[str, str]]:
+    """`key = value` lines of a sysctl.d file (comments, blank lines and the `-` that tells
+    systemd to ignore a failure dropped); ValueError naming a line that is neither."""
+    out = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        key, sep, value = line.lstrip("-").partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise ValueError(f"line {number}: {line!r} is not `key = value`")
+        out.append((key.strip(), " ".join(value.split())))
+    return out
+
+
+def apply_sysctls(link: Link, settings: Sequence[tuple[str, str]]) -> dict[str, Any]:
+    """Set each sysctl inside the link's namespaces (never the host's: a key that is not per
+    network namespace, like net.core.rmem_max or default_qdisc, cannot be set from inside one and
+    is reported as such); {"applied": {key: value}, "not_in_namespace": [key, ...]}."""
+    applied: dict[str, str] = {}
+    skipped: list[str] = []
+    for key, value in settings:
+        ok = True
+        for namespace in dict.fromkeys((link.server, link.client)):
+            done = subprocess.run(
+                link.exec_in(namespace, ["sysctl", "-q", "-w", f"{key}={value}"]),
+                capture_output=True,
+                text=True,
+                check=False,
+            )
+            ok = ok and done.returncode == 0
+        if ok:
+            applied[key] = value
+        else:
+            skipped.append(key)
+    return {"applied": applied, "not_in_namespace": skipped}
+
+
 def netem_available() -> bool:
     """Whether this kernel has netem: a qdisc added on the loopback device of a scratch namespace."""
     name = f"{PREFIX}-{os.getpid()}-netem"
@@ -279,7 +317,15 @@ def run_args(plan: RunPlan) -> list[str]:
     return args
 
 
-def measure_rate(link: Link, plan: RunPlan, secret_file: Path, extra_env: dict[str, str]) -> dict[str, Any]:
+def measure_rate(
+    link: Link,
+    plan: RunPlan,
+    secret_file: Path,
+    extra_env: dict[str, str],
+    sysctls: Sequence[tuple[str, str]] = (),
+    sysctls_from: str = "",
+) -> dict[str, Any]:
+    tuned = {"sysctls": {"file": sysctls_from, **apply_sysctls(link, sysctls)}} if sysctls else {}
     python = [sys.executable, "-m", "dilocod", "bench"]
     env = {**os.environ, **extra_env}
     serve = [
@@ -311,7 +357,7 @@ def measure_rate(link: Link, plan: RunPlan, secret_file: Path, extra_env: dict[s
         stop_process(server, timeout_s=10)
     (measured,) = result["links"]
     delay = {"emulated_rtt_ms": link.rtt_ms, "delay_by": link.delay_by} if link.rtt_ms > 0 else {}
-    return {"rate": link.rate, **delay, **{k: v for k, v in measured.items() if k != "rate"}}
+    return {"rate": link.rate, **delay, **tuned, **{k: v for k, v in measured.items() if k != "rate"}}
 
 
 def run_local(
@@ -321,8 +367,14 @@ def run_local(
     extra_env: dict[str, str] | None = None,
     rtts: Sequence[float] = (0.0,),
     emulator: str | None = None,
+    sysctls: Path | None = None,
 ) -> dict[str, Any]:
-    """Measure every rate at every RTT (ms); {"links": [...]} rate by rate, in the order given."""
+    """Measure every rate at every RTT (ms); {"links": [...]} rate by rate, in the order given.
+    With `sysctls` (a sysctl.d file), its settings are applied inside each link's namespaces first."""
+    try:
+        settings = parse_sysctls(sysctls.read_text()) if sysctls is not None else []
+    except (OSError, ValueError) as exc:
+        raise LocalBenchError(f"--sysctls {sysctls}: {exc}") from None
     require_tools()
     remove_stale()
     delay_by = choose_delay(rtts, emulator)
@@ -335,5 +387,6 @@ def run_local(
         cases = [(rate, rtt) for rate in rates for rtt in rtts]
         for index, (rate, rtt) in enumerate(cases):
             with shaped_link(rate, index, rtt, delay_by if rtt > 0 else "") as link:
-                links.append(measure_rate(link, plan, secret_file, extra_env or {}))
+                source = sysctls.name if sysctls else ""
+                links.append(measure_rate(link, plan, secret_file, extra_env or {}, settings, source))
     return {"links": links}

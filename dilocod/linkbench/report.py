@@ -68,11 +68,15 @@ def _fields(value: Any, fields: dict[str, tuple[type, ...]], where: str) -> list
 
 
 def link_name(link: dict[str, Any]) -> str:
-    """The rate, and the round trip `bench local --rtt` added to it (with what), if any."""
-    if "emulated_rtt_ms" not in link:
-        return str(link["rate"])
-    by = "netem" if link.get("delay_by") == "netem" else "emulator"
-    return f"{link['rate']} + {link['emulated_rtt_ms']:g} ms RTT ({by})"
+    """The rate, the round trip `bench local --rtt` added to it (with what), if any, and the sysctl
+    file applied in its namespaces (--sysctls), if any."""
+    name = str(link["rate"])
+    if "emulated_rtt_ms" in link:
+        by = "netem" if link.get("delay_by") == "netem" else "emulator"
+        name += f" + {link['emulated_rtt_ms']:g} ms RTT ({by})"
+    if "sysctls" in link:
+        name += f" with {link['sysctls'].get('file') or 'sysctls'}"
+    return name
 
 
 def format_link(link: dict[str, Any]) -> str:

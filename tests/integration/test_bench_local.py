@@ -22,9 +22,12 @@ from dilocod.linkbench.local import (
     EMULATOR_ENV,
     PREFIX,
     LocalBenchError,
+    apply_sysctls,
     netem_available,
     our_namespaces,
+    parse_sysctls,
     run_local,
+    shaped_link,
 )
 from dilocod.linkbench.report import schema_errors
 from dilocod.ops.processes import read_ready_line, stop_process
@@ -211,3 +214,30 @@ def test_a_link_with_a_round_trip_carries_the_learners_own_stream_count_near_raw
     (row,) = link["runs"]
     assert row["streams_auto"] and row["streams"] == link["auto_streams"]["streams"] >= 2
     assert row["gbps"] >= 0.7 * link["raw_gbps"], (row, link["raw"])
+
+
+@pytest.mark.usefixtures("_root")
+def test_the_sysctl_file_is_applied_inside_the_namespaces_and_never_on_the_host() -> None:
+    """--sysctls: the repository's file inside a shaped link's two namespaces; keys a namespace
+    does not have (default_qdisc) or cannot set (net.core.rmem_max) are reported, and the host's
+    own values stay as they were."""
+
+    def sysctl(key: str, namespace: str | None = None) -> str:
+        command = (
+            ["sysctl", "-n", key]
+            if namespace is None
+            else ["ip", "netns", "exec", namespace, "sysctl", "-n", key]
+        )
+        return " ".join(subprocess.run(command, capture_output=True, text=True, check=True).stdout.split())
+
+    host = {key: sysctl(key) for key in ("net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem", "net.core.rmem_max")}
+    settings = parse_sysctls((Path(__file__).parents[2] / "systemd/sysctl.d/60-dilocod-wan.conf").read_text())
+    with shaped_link("2gbit", 0) as link:
+        done = apply_sysctls(link, settings)
+        for namespace in (link.server, link.client):
+            assert sysctl("net.ipv4.tcp_rmem", namespace) == "4096 131072 134217728"
+            assert sysctl("net.ipv4.tcp_wmem", namespace) == "4096 65536 134217728"
+    assert done["applied"]["net.ipv4.tcp_slow_start_after_idle"] == "0"
+    assert "net.core.default_qdisc" in done["not_in_namespace"]
+    assert set(done["applied"]) | set(done["not_in_namespace"]) == {key for key, _ in settings}
+    assert {key: sysctl(key) for key in host} == host

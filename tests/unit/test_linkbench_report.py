@@ -18,10 +18,11 @@ from dilocod.linkbench.local import (
     emulator_sides,
     parse_rate,
     parse_rtt,
+    parse_sysctls,
     rate_gbps,
     run_args,
 )
-from dilocod.linkbench.report import format_table, schema_errors
+from dilocod.linkbench.report import format_table, link_name, schema_errors
 from dilocod.linkbench.report import main as report_main
 from dilocod.linkbench.serve import MAX_GLOO_BYTES, parse_gloo_request
 
@@ -186,3 +187,35 @@ def test_the_table_names_the_added_round_trip() -> None:
     document["links"][0].update({"emulated_rtt_ms": 100.0, "delay_by": "/opt/wanem.sh"})
     assert schema_errors(document) == []
     assert "link 2gbit + 100 ms RTT (emulator)" in format_table(document)
+
+
+def test_a_sysctl_file_is_read_as_systemd_reads_it() -> None:
+    text = "# comment\n; also\n\nnet.ipv4.tcp_rmem = 4096  131072 134217728\n-net.core.default_qdisc=fq\n"
+    assert parse_sysctls(text) == [
+        ("net.ipv4.tcp_rmem", "4096 131072 134217728"),
+        ("net.core.default_qdisc", "fq"),
+    ]
+    with pytest.raises(ValueError, match=r"line 2: 'net\.ipv4\.tcp_rmem' is not"):
+        parse_sysctls("# ok\nnet.ipv4.tcp_rmem\n")
+    with pytest.raises(ValueError, match="line 1"):
+        parse_sysctls("net.ipv4.tcp_rmem =\n")
+
+
+def test_the_repositorys_sysctl_file_parses() -> None:
+    from pathlib import Path
+
+    keys = dict(
+        parse_sysctls((Path(__file__).parents[2] / "systemd/sysctl.d/60-dilocod-wan.conf").read_text())
+    )
+    assert keys["net.ipv4.tcp_rmem"].split()[2] == keys["net.ipv4.tcp_wmem"].split()[2] == "134217728"
+
+
+def test_a_link_is_named_with_its_round_trip_and_sysctls() -> None:
+    link = {"rate": "5gbit", "emulated_rtt_ms": 100.0, "delay_by": "/x/wanem.sh"}
+    assert link_name(link) == "5gbit + 100 ms RTT (emulator)"
+    link["sysctls"] = {"file": "60-dilocod-wan.conf", "applied": {}, "not_in_namespace": []}
+    assert link_name(link) == "5gbit + 100 ms RTT (emulator) with 60-dilocod-wan.conf"
+    assert (
+        link_name({"rate": "2gbit", "emulated_rtt_ms": 30.0, "delay_by": "netem"})
+        == "2gbit + 30 ms RTT (netem)"
+    )

@@ -273,6 +273,14 @@ def _run_plan_options(command: Callable[..., Any]) -> Callable[..., Any]:
             "[default: this host's cores; bench local: half, as both ends share them].",
         ),
         click.option(
+            "--congestion",
+            type=click.Choice(["bbr", "cubic", "reno"]),
+            default="bbr",
+            show_default=True,
+            help="TCP congestion control of the measuring side's sockets, raw and dilocod alike (the "
+            "daemons use bbr where the kernel has it; setting another per socket may need root).",
+        ),
+        click.option(
             "--assumed-rtt",
             default="50ms",
             show_default=True,
@@ -296,6 +304,7 @@ def _run_plan(
     data: str,
     chunk: str,
     threads: int | None,
+    congestion: str,
     assumed_rtt: str,
     vs: str,
 ) -> RunPlan:
@@ -319,6 +328,7 @@ def _run_plan(
         data=data,
         assumed_rtt_s=_parsed(lambda: parse_duration(assumed_rtt, key="--assumed-rtt")),
         threads=threads,
+        congestion=congestion,
     )
 
 
@@ -456,6 +466,14 @@ def bench_run(
     "(like wanem.sh)  [default: $DILOCOD_WAN_EMULATOR].",
 )
 @click.option(
+    "--loss",
+    "loss_pct",
+    default=0.0,
+    show_default=True,
+    type=click.FloatRange(0.0, 50.0),
+    help="Random loss each way, in percent of packets (e.g. 0.1), made with the delay of --rtt.",
+)
+@click.option(
     "--sysctls",
     default=None,
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -475,6 +493,7 @@ def bench_local(
     rate: str,
     rtt: str,
     wan_emulator: str | None,
+    loss_pct: float,
     sysctls: Path | None,
     vs: str,
     json_out: str | None,
@@ -497,7 +516,9 @@ def bench_local(
         _config_error(f"--rtt: {exc}")
     plan = _run_plan(vs=vs, **plan_flags)
     try:
-        document = run_local(rates, plan, rtts=rtts, emulator=wan_emulator, sysctls=sysctls)
+        document = run_local(
+            rates, plan, rtts=rtts, emulator=wan_emulator, sysctls=sysctls, loss_pct=loss_pct
+        )
     except LocalBenchError as exc:
         click.echo(f"dilocod bench local: {exc}", err=True)
         sys.exit(1)

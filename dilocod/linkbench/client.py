@@ -74,6 +74,9 @@ class RunPlan:
     #: CPU threads each end can spend compressing (the codec model's `threads`); None = all cores.
     #: `bench local` runs both ends on one host, so each gets half.
     threads: int | None = None
+    #: The TCP congestion control of this side's sockets (raw and dilocod alike); the daemons use
+    #: bbr where the kernel has it.
+    congestion: str = "bbr"
 
     @property
     def codec_threads(self) -> int:
@@ -163,12 +166,12 @@ class _Link:
 
     async def combinations(self, streams: int, secret: bytes | None) -> tuple[list[dict[str, Any]], float]:
         """Every codec at this stream count; returns the rows and the median raw ceiling."""
-        options = TransportOptions(chunk_bytes=self.plan.chunk_bytes)
+        options = TransportOptions(chunk_bytes=self.plan.chunk_bytes, congestion=self.plan.congestion)
         session = await connect(
             self.host, self.port, peer_id=f"bench-{streams}", role="bench", secret=secret,
             streams=streams, options=options,
         )  # fmt: skip
-        raw = RawClient(self.host, self.raw_port, streams, "threaded")
+        raw = RawClient(self.host, self.raw_port, streams, "threaded", self.plan.congestion)
         ceilings: list[float] = []
         try:
             view = memoryview(self.data)
@@ -258,7 +261,7 @@ class _Link:
 
     async def round_trip(self, streams: int, codec: str, secret: bytes | None) -> float:
         """Seconds from the start of a push to the end of the update that echoes it."""
-        options = TransportOptions(chunk_bytes=self.plan.chunk_bytes)
+        options = TransportOptions(chunk_bytes=self.plan.chunk_bytes, congestion=self.plan.congestion)
         session = await connect(
             self.host, self.port, peer_id="bench-rt", role="bench", secret=secret, streams=streams,
             options=options,
@@ -342,7 +345,7 @@ async def measure_link(
     link = _Link(host, port, raw_port, plan, data, item, progress, figures)
     # Fit the repeats into --duration from one raw transfer's time (the slowest part of each pair
     # is the raw or the uncompressed push, both about one transfer at the link's rate).
-    with_raw = RawClient(host, raw_port, max(counts), "threaded")
+    with_raw = RawClient(host, raw_port, max(counts), "threaded", plan.congestion)
     try:
         with_raw.send(memoryview(data))
         transfer_s = with_raw.send(memoryview(data))
@@ -389,6 +392,7 @@ async def measure_link(
         "codec_figures": [_figure_json(f) for f in figures],
         "tcp": _settings_json(settings),
         "warnings": warnings,
+        "congestion": plan.congestion,
         "auto_streams": None
         if auto_choice is None
         else {"streams": auto_choice.streams, "reason": auto_choice.reason},

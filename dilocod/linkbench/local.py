@@ -5,7 +5,8 @@ shaped link; "loopback" runs both ends on the loopback device of one fresh names
 
 With a round-trip time (`--rtt`), each link also delays: with netem where the kernel has it (rate
 and half the RTT each way, `tc qdisc ... netem`), else through an external emulator named by
-`--wan-emulator` or DILOCOD_WAN_EMULATOR: a program called as `EMULATOR up RATE RTT_MS` that makes
+`--wan-emulator` or DILOCOD_WAN_EMULATOR: a program called as `EMULATOR up RATE RTT_MS` (with
+`--loss PCT` after it for a lossy link, as wanem takes it) that makes
 two namespaces, prints a line `A: netns NAME ... addr IP` for the client side and `B: ...` for the
 server side, and is called as `EMULATOR down` to remove them (the interface of this repository's
 `../shared/wanem/wanem.sh`, whose RATE is like `5g`). With neither, the command says both ways.
@@ -140,6 +141,8 @@ class Link:
     rtt_ms: float = 0.0
     #: How the delay is made: "" (none), "netem", or the external emulator's path.
     delay_by: str = ""
+    #: Random loss each way, percent of packets (made with the delay).
+    loss_pct: float = 0.0
 
     def exec_in(self, namespace: str, argv: Sequence[str]) -> list[str]:
         return ["ip", "netns", "exec", namespace, *argv]
@@ -226,29 +229,34 @@ def emulator_sides(printed: str) -> dict[str, tuple[str, str]]:
 
 
 @contextlib.contextmanager
-def emulated_link(rate: str, rtt_ms: float, emulator: str) -> Iterator[Link]:
+def emulated_link(rate: str, rtt_ms: float, emulator: str, loss_pct: float = 0.0) -> Iterator[Link]:
     """The external emulator's two namespaces: B (the server) listens, A runs the client."""
-    up = subprocess.run(
-        [emulator, "up", emulator_rate(rate), f"{rtt_ms:g}"], capture_output=True, text=True, check=False
-    )
+    command = [emulator, "up", emulator_rate(rate), f"{rtt_ms:g}"]
+    command += ["--loss", f"{loss_pct:g}"] if loss_pct > 0 else []
+    up = subprocess.run(command, capture_output=True, text=True, check=False)
     try:
         if up.returncode != 0:
             raise LocalBenchError(f"`{emulator} up` failed: {(up.stderr or up.stdout).strip()}")
         sides = emulator_sides(up.stdout)
         if set(sides) != {"A", "B"}:
             raise LocalBenchError(f"`{emulator} up` named no A: and B: sides: {up.stdout!r}")
-        yield Link(rate, sides["B"][0], sides["A"][0], sides["B"][1], rtt_ms, emulator)
+        yield Link(rate, sides["B"][0], sides["A"][0], sides["B"][1], rtt_ms, emulator, loss_pct)
     finally:
         subprocess.run([emulator, "down"], capture_output=True, text=True, check=False)
 
 
 @contextlib.contextmanager
-def shaped_link(rate: str, index: int, rtt_ms: float = 0.0, delay_by: str = "") -> Iterator[Link]:
-    """Make the namespaces (and the shaped veth pair) of one rate; remove them on exit."""
+def shaped_link(
+    rate: str, index: int, rtt_ms: float = 0.0, delay_by: str = "", loss_pct: float = 0.0
+) -> Iterator[Link]:
+    """Make the namespaces (and the shaped veth pair) of one rate; remove them on exit. A loss
+    (percent of packets, each way) needs a delay: netem or the emulator makes both."""
+    if loss_pct > 0 and not (rtt_ms > 0 and delay_by):
+        raise LocalBenchError("--loss needs --rtt: the loss is made by netem or the emulator with the delay")
     if rtt_ms > 0 and delay_by not in ("", "netem"):
         if rate == LOOPBACK:
             raise LocalBenchError("loopback has no rate for an emulated link: give a rate with --rtt")
-        with emulated_link(rate, rtt_ms, delay_by) as link:
+        with emulated_link(rate, rtt_ms, delay_by, loss_pct) as link:
             yield link
         return
     base = f"{PREFIX}-{os.getpid()}-{index}"
@@ -278,6 +286,7 @@ def shaped_link(rate: str, index: int, rtt_ms: float = 0.0, delay_by: str = "") 
             if rtt_ms > 0:  # netem: the rate and half the round trip each way
                 tc = ["tc", "qdisc", "add", "dev", dev, "root", "netem", "delay", f"{rtt_ms / 2:g}ms"]
                 tc += ["rate", rate, "limit", str(NETEM_LIMIT_PACKETS)]
+                tc += ["loss", f"{loss_pct:g}%"] if loss_pct > 0 else []
             else:
                 tc = ["tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate]
                 tc += ["burst", str(burst_bytes(rate)), "latency", TBF_LATENCY]
@@ -286,7 +295,7 @@ def shaped_link(rate: str, index: int, rtt_ms: float = 0.0, delay_by: str = "") 
             )
             if done.returncode != 0:
                 raise LocalBenchError(f"`{' '.join(tc)}` failed: {done.stderr.strip()}")
-        yield Link(rate, server, client, f"{subnet}.1", rtt_ms, "netem" if rtt_ms > 0 else "")
+        yield Link(rate, server, client, f"{subnet}.1", rtt_ms, "netem" if rtt_ms > 0 else "", loss_pct)
     finally:
         for name in reversed(made):
             _ip("netns", "delete", name, check=False)
@@ -312,6 +321,7 @@ def run_args(plan: RunPlan) -> list[str]:
     args += ["--codec", ",".join(plan.codecs), "--duration", f"{plan.duration_s}s", "--data", plan.data]
     args += ["--chunk", str(plan.chunk_bytes), "--assumed-rtt", f"{plan.assumed_rtt_s * 1e3}ms"]
     args += ["--vs", "gloo"] if plan.vs_gloo else ["--vs", "none"]
+    args += ["--congestion", plan.congestion]
     # Both ends share this host's cores: each may count on half of them for its codec.
     args += ["--threads", str(plan.threads or max(1, (os.cpu_count() or 2) // 2))]
     return args
@@ -357,6 +367,8 @@ def measure_rate(
         stop_process(server, timeout_s=10)
     (measured,) = result["links"]
     delay = {"emulated_rtt_ms": link.rtt_ms, "delay_by": link.delay_by} if link.rtt_ms > 0 else {}
+    if link.loss_pct > 0:
+        delay["loss_pct"] = link.loss_pct
     return {"rate": link.rate, **delay, **tuned, **{k: v for k, v in measured.items() if k != "rate"}}
 
 
@@ -368,6 +380,7 @@ def run_local(
     rtts: Sequence[float] = (0.0,),
     emulator: str | None = None,
     sysctls: Path | None = None,
+    loss_pct: float = 0.0,
 ) -> dict[str, Any]:
     """Measure every rate at every RTT (ms); {"links": [...]} rate by rate, in the order given.
     With `sysctls` (a sysctl.d file), its settings are applied inside each link's namespaces first."""
@@ -386,7 +399,7 @@ def run_local(
         secret_file.chmod(0o600)
         cases = [(rate, rtt) for rate in rates for rtt in rtts]
         for index, (rate, rtt) in enumerate(cases):
-            with shaped_link(rate, index, rtt, delay_by if rtt > 0 else "") as link:
+            with shaped_link(rate, index, rtt, delay_by if rtt > 0 else "", loss_pct) as link:
                 source = sysctls.name if sysctls else ""
                 links.append(measure_rate(link, plan, secret_file, extra_env or {}, settings, source))
     return {"links": links}

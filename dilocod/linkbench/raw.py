@@ -165,11 +165,13 @@ def _serve_threaded(conn: socket.socket) -> None:
 class RawClient:
     """N connected raw-test streams of one mode; send(data) splits the buffer evenly across them."""
 
-    def __init__(self, host: str, port: int, streams: int, mode: RawMode = "threaded") -> None:
+    def __init__(
+        self, host: str, port: int, streams: int, mode: RawMode = "threaded", congestion: str | None = "bbr"
+    ) -> None:
         self.mode = mode
         self.socks = [socket.create_connection((host, port)) for _ in range(streams)]
         for sock in self.socks:
-            tune(sock)
+            tune(sock, congestion=congestion)
             sock.sendall(_MODE_BYTES[mode])
         self._pool = ThreadPoolExecutor(max_workers=streams) if mode == "threaded" else None
         self.received: list[int] = []  # what the receiver acknowledged, per stream, last transfer

@@ -74,6 +74,10 @@ def link_name(link: dict[str, Any]) -> str:
     if "emulated_rtt_ms" in link:
         by = "netem" if link.get("delay_by") == "netem" else "emulator"
         name += f" + {link['emulated_rtt_ms']:g} ms RTT ({by})"
+    if link.get("loss_pct"):
+        name += f", {link['loss_pct']:g} % loss"
+    if link.get("congestion", "bbr") != "bbr":
+        name += f", {link['congestion']}"
     if "sysctls" in link:
         name += f" with {link['sysctls'].get('file') or 'sysctls'}"
     return name

@@ -43,8 +43,14 @@ stdlib's sources), same number of training tokens; the number compared is the ev
   --outer-momentum 0.5 --grace-factor 1 and every learner --apply keep-local; `f-lr0.5-m0.8` is f
   (one learner killed twice) with --outer-lr 0.5 --outer-momentum 0.8.
 
+Across an emulated WAN (root): `--wan 2gbit,100ms [--wan-emulator PATH]` runs the daemon rows with
+the syncer in one network namespace and the learners in the other (netem where the kernel has it,
+else the emulator, as `dilocod bench local --rtt` does), keyed e.g. `c@2gbit+100ms`; each row also
+records rounds due (by the syncer's clock), skipped and abandoned, the learners' steps per second
+and the syncer's heal times, to set beside the same row on loopback.
+
 Usage: python bench/convergence.py [--steps 300] [--learners 4] [--only a,c,d] [--budget fleet|learner]
-       [--json] [--out bench/results/convergence.json]
+       [--wan RATE,RTT [--wan-emulator PATH]] [--json] [--out bench/results/convergence.json]
 Writes the results as JSON to --out (merged by key into an existing file) and prints a table.
 A benchmark: it measures and records, it asserts nothing.
 """
@@ -72,6 +78,7 @@ import torch
 
 from dilocod.contract import LearnerContext
 from dilocod.examples.charlm import CharLM, CharLMConfig, TrainConfig, build_trainer, evaluate, load_held_out
+from dilocod.linkbench.local import Link, choose_delay, parse_rate, parse_rtt, shaped_link
 from dilocod.ops.processes import read_ready_line, stop_process
 from dilocod.syncer.checkpoint import load_latest_checkpoint
 
@@ -84,6 +91,8 @@ PROGRESS_EVERY_S = 0.5
 #: The watcher's pacing: how often it looks at the children's steps.
 WATCH_EVERY_S = 0.2
 BUDGETS = ("fleet", "learner")
+#: The syncer's default H (its rounds due per clock step are P / H).
+SYNC_EVERY = 24
 STOP_TIMEOUT_S = 60.0
 RUN_TIMEOUT_S = 3600.0
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "convergence.json"
@@ -289,26 +298,37 @@ def run_daemons(
     work: Path,
     say: Say,
     budget: str = "fleet",
+    link: Link | None = None,
 ) -> dict[str, Any]:
+    """One row through the daemons: on loopback, or with `link` (--wan) the syncer in the link's
+    server namespace and every learner in its client namespace, so all their traffic crosses it."""
     work.mkdir(parents=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    host = "127.0.0.1" if link is None else link.server_ip
+
+    def inside(namespace: str, argv: list[str]) -> list[str]:
+        return argv if link is None else link.exec_in(namespace, argv)
+
     python = [sys.executable, "-m", "dilocod"]
     syncer_args = [arg.replace("{M}", str(learners)) for arg in variant.syncer_args]
     syncer = Daemon(
         "syncer",
-        [
-            *python,
-            "syncer",
-            "--listen",
-            "127.0.0.1:0",
-            "--insecure",
-            "--state-dir",
-            str(work / "syncer"),
-            "--checkpoint-every-s",
-            "600",
-            "--ready-json",
-            *syncer_args,
-        ],
+        inside(
+            link.server if link else "",
+            [
+                *python,
+                "syncer",
+                "--listen",
+                f"{host}:0",
+                "--insecure",
+                "--state-dir",
+                str(work / "syncer"),
+                "--checkpoint-every-s",
+                "600",
+                "--ready-json",
+                *syncer_args,
+            ],
+        ),
         env,
         work / "syncer.log",
     )
@@ -329,29 +349,32 @@ def run_daemons(
             fleet.append(
                 Daemon(
                     f"learner-{m}",
-                    [
-                        *python,
-                        "learner",
-                        "--syncer",
-                        f"127.0.0.1:{port}",
-                        "--insecure",
-                        "--id",
-                        f"learner-{m}",
-                        "--seed",
-                        str(m),
-                        "--device",
-                        "cpu",
-                        "--state-dir",
-                        str(work / f"learner-{m}"),
-                        "--steps",
-                        # Under a fleet budget no learner can train more than all of it.
-                        str(steps if budget == "learner" else steps * learners),
-                        "--progress-every-s",
-                        str(PROGRESS_EVERY_S),
-                        *entry,
-                        *save,
-                        *variant.learner_args,
-                    ],
+                    inside(
+                        link.client if link else "",
+                        [
+                            *python,
+                            "learner",
+                            "--syncer",
+                            f"{host}:{port}",
+                            "--insecure",
+                            "--id",
+                            f"learner-{m}",
+                            "--seed",
+                            str(m),
+                            "--device",
+                            "cpu",
+                            "--state-dir",
+                            str(work / f"learner-{m}"),
+                            "--steps",
+                            # Under a fleet budget no learner can train more than all of it.
+                            str(steps if budget == "learner" else steps * learners),
+                            "--progress-every-s",
+                            str(PROGRESS_EVERY_S),
+                            *entry,
+                            *save,
+                            *variant.learner_args,
+                        ],
+                    ),
                     slow_env if slow else env,
                     work / f"learner-{m}.log",
                 )
@@ -388,7 +411,7 @@ def run_daemons(
             learner.wait()  # exited already: this reads its log to the end (the step it stopped at)
         codes = [learner.process.returncode for learner in fleet if learner.process is not None]
         wall_s = time.monotonic() - started
-        egress = syncer_status(port)
+        egress = syncer_status(port, host, link.server if link else None)
         if syncer.stop() != 0:
             raise RuntimeError(f"the syncer did not stop cleanly; see {syncer.log_path}")
         loss, _ = global_model_loss(work / "syncer", held_out)
@@ -402,6 +425,12 @@ def run_daemons(
             "learner_exit_codes": codes,
             "learners_wall_s": round(wall_s, 1),
             "rounds_merged": count_rounds(syncer.log_path),
+            "rounds_abandoned": egress.get("rounds_abandoned"),
+            "rounds_skipped": egress.get("rounds_skipped"),
+            # Rounds due by the syncer's clock (H clock steps per fragment cycle of P rounds).
+            "rounds_due": rounds_due(egress),
+            "steps_per_s": round(sum(trained) / wall_s, 3),
+            "heals_s": heal_times(syncer.log_path),
             # The syncer's update bytes (every send to every learner, heals included) per merged round.
             "syncer_bytes_out": egress["bytes_out"],
             "bytes_out_per_round": round(egress["bytes_out"] / max(1, egress["rounds_merged"])),
@@ -414,16 +443,46 @@ def run_daemons(
                     daemon.stop()
 
 
-def syncer_status(port: int) -> dict[str, Any]:
-    """`dilocod status --json` of the syncer on this loopback port."""
+def syncer_status(port: int, host: str = "127.0.0.1", namespace: str | None = None) -> dict[str, Any]:
+    """`dilocod status --json` of the syncer at host:port (asked from inside its namespace, if any)."""
+    command = [
+        sys.executable,
+        "-m",
+        "dilocod",
+        "status",
+        "--syncer",
+        f"{host}:{port}",
+        "--insecure",
+        "--json",
+    ]
     done = subprocess.run(
-        [sys.executable, "-m", "dilocod", "status", "--syncer", f"127.0.0.1:{port}", "--insecure", "--json"],
+        command if namespace is None else ["ip", "netns", "exec", namespace, *command],
         capture_output=True,
         text=True,
         timeout=60,
         check=True,
     )
     return json.loads(done.stdout)
+
+
+def rounds_due(status: dict[str, Any], sync_every: int = SYNC_EVERY) -> int | None:
+    """Rounds the syncer's clock made due: P fragments every H clock steps (the rows here keep the
+    syncer's default H)."""
+    try:
+        return int(status["clock"]) * len(status["fragments"]) // sync_every
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def heal_times(log_path: Path) -> list[float]:
+    """Seconds of every heal the syncer logged (`learner healed`), in order."""
+    out = []
+    for line in log_path.read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            if isinstance(record, dict) and record.get("event") == "learner healed":
+                out.append(float(record["duration_s"]))
+    return out
 
 
 def count_rounds(log_path: Path) -> int | None:
@@ -458,7 +517,27 @@ def main(argv: list[str] | None = None) -> int:
         help="fleet: the learners together train M x --steps steps, then all stop at once (default); "
         "learner: each learner trains exactly --steps steps",
     )
+    parser.add_argument(
+        "--wan",
+        default=None,
+        metavar="RATE,RTT",
+        help="run the daemon rows across an emulated link (root): the syncer in one network "
+        "namespace, the learners in the other, e.g. 2gbit,100ms; rows are keyed KEY@RATE+RTT",
+    )
+    parser.add_argument(
+        "--wan-emulator",
+        default=None,
+        metavar="PATH",
+        help="the WAN emulator for kernels without netem (as `dilocod bench local --wan-emulator`)",
+    )
     args = parser.parse_args(argv)
+    wan: tuple[str, float] | None = None
+    if args.wan is not None:
+        try:
+            rate_text, rtt_text = args.wan.split(",")
+            wan = (parse_rate(rate_text), parse_rtt(rtt_text))
+        except ValueError as exc:
+            parser.error(f"--wan {args.wan!r}: {exc} (like 2gbit,100ms)")
     keys = [key.strip() for key in args.only.split(",") if key.strip()]
     unknown = [key for key in keys if variant_for(key) is None]
     if unknown or args.steps < 1 or args.learners < 1:
@@ -476,14 +555,24 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
         root = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dilocod-conv-")))
-        for key in keys:
-            variant = variant_for(key)
+        for asked in keys:
+            variant = variant_for(asked)
+            key = asked
             assert variant is not None  # checked above
             started = time.monotonic()
             if variant.data_parallel:
                 row = run_data_parallel(variant, args.steps, args.learners, held_out)
-            else:
+            elif wan is None:
                 row = run_daemons(variant, args.steps, args.learners, held_out, root / key, say, args.budget)
+            else:
+                rate, rtt_ms = wan
+                key = f"{key}@{rate}+{rtt_ms:g}ms"
+                delay_by = choose_delay([rtt_ms], args.wan_emulator)
+                with shaped_link(rate, 0, rtt_ms, delay_by) as link:
+                    row = run_daemons(
+                        variant, args.steps, args.learners, held_out, root / key, say, args.budget, link
+                    )
+                row.update(link={"rate": rate, "rtt_ms": rtt_ms, "delay_by": delay_by})
             row.update(label=variant.label, wall_s=round(time.monotonic() - started, 1))
             results[key] = row
             say(f"  {key:<8} {variant.label:<52} eval loss {row['eval_loss']:.4f}  ({row['wall_s']:.0f} s)")

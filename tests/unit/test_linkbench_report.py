@@ -219,3 +219,11 @@ def test_a_link_is_named_with_its_round_trip_and_sysctls() -> None:
         link_name({"rate": "2gbit", "emulated_rtt_ms": 30.0, "delay_by": "netem"})
         == "2gbit + 30 ms RTT (netem)"
     )
+    lossy = {
+        "rate": "5gbit",
+        "emulated_rtt_ms": 100.0,
+        "delay_by": "netem",
+        "loss_pct": 0.1,
+        "congestion": "cubic",
+    }
+    assert link_name(lossy) == "5gbit + 100 ms RTT (netem), 0.1 % loss, cubic"

@@ -43,6 +43,7 @@ from dilocod.transport.endpoints import Server
 from dilocod.transport.errors import SessionClosed, TransferFailed
 from dilocod.transport.options import TransportOptions
 from dilocod.transport.session import FragmentReceived, Session
+from dilocod.transport.tuning import AUTO_RATE_GBPS
 from dilocod.wire.errors import ErrorCode, RemoteProtocolError
 from dilocod.wire.layouts import PRECISIONS, precision_of, push_layout
 from dilocod.wire.messages import (
@@ -71,6 +72,10 @@ SWITCH_INTERVAL_S = 0.001
 JOIN_TIMEOUT_S = 30.0
 #: An update that fails this many times in a row is given up until the next version.
 UPDATE_ATTEMPTS = 3
+#: A round trip below this (a LAN, loopback) sends one update at a time; above, several are in
+#: flight (_update_window).
+UPDATE_PIPELINE_MIN_RTT_S = 0.002
+MAX_UPDATES_IN_FLIGHT = 32
 #: Learners the status lists at most (connected ones first, then those that left last), so that it
 #: stays far inside its frame limit (about 400 bytes a learner) however many ids are live.
 STATUS_MAX_LEARNERS = 2048
@@ -819,69 +824,108 @@ class SyncerService:
 
     async def _send_updates(self, peer: _Peer) -> None:
         """Send this learner the newest snapshot of every fragment it lacks, the longest waiting
-        first; an update superseded while queued goes out once, at its newest version. One at a
-        time: on loopback the receiver is the bottleneck, and two updates in flight (even the
-        next one started only once the previous one's chunks were all written) made a heal
-        slower (bench/notes/checkpoint-and-heal.md). The first heal is logged once, with its
-        duration and rate."""
+        first; an update superseded while queued goes out once, at its newest version. As many at
+        a time as _update_window allows: one where the round trip is short (on loopback the
+        receiver is the bottleneck, and two updates in flight made a heal slower:
+        bench/notes/checkpoint-and-heal.md), enough to keep the link busy across a WAN's round
+        trip, where one at a time costs a round trip per fragment (a heal of 24 small fragments
+        took 24 round trips: bench/notes/wan-rtt.md). A fragment is never in flight twice. The
+        first heal is logged once, with its duration and rate."""
         failures: dict[int, int] = defaultdict(int)
         heal_started, heal_bytes = self.clock(), 0
-        while True:
-            if not peer.pending:
-                if not peer.healed.is_set():
-                    seconds = max(self.clock() - heal_started, 1e-9)
-                    log.info(
-                        "learner healed",
-                        learner=peer.learner,
-                        fragments=len(self.model.fragments),
-                        bytes=heal_bytes,
-                        duration_s=round(seconds, 3),
-                        gbit_s=round(heal_bytes * 8 / seconds / 1e9, 3),
+        in_flight: dict[int, asyncio.Task[int]] = {}
+        try:
+            while True:
+                window = self._update_window(peer)
+                for index in [i for i in peer.pending if i not in in_flight]:
+                    if len(in_flight) >= window:
+                        break
+                    del peer.pending[index]
+                    in_flight[index] = asyncio.create_task(
+                        self._send_update(peer, index, failures), name=f"update {peer.learner} {index}"
                     )
-                peer.healed.set()
+                if not in_flight and not peer.pending:
+                    if not peer.healed.is_set():
+                        seconds = max(self.clock() - heal_started, 1e-9)
+                        log.info(
+                            "learner healed",
+                            learner=peer.learner,
+                            fragments=len(self.model.fragments),
+                            bytes=heal_bytes,
+                            duration_s=round(seconds, 3),
+                            gbit_s=round(heal_bytes * 8 / seconds / 1e9, 3),
+                        )
+                    peer.healed.set()
                 peer.wake.clear()
-                await peer.wake.wait()
-                continue
-            index = next(iter(peer.pending))
-            del peer.pending[index]
-            store = self.model.fragments[index]
-            snapshot = self.model.acquire(index)
-            try:
-                if peer.sent.get(index) == snapshot.version:
-                    self.rounds.update_done(peer.learner, index, snapshot.version, self.clock())
-                    continue
-                header = UpdateHeader(
-                    store.update_manifest,
-                    store.update_bytes,
-                    self.config.codec,
-                    self.config.chunk,
-                    fragment=index,
-                    version=snapshot.version,
-                )
-                data, checksums = snapshot.buffer, snapshot.checksums
-                if self.model.update_precision != "fp32":
-                    encoding = await self._encoded(index, snapshot)
-                    data, checksums = encoding.buffer, encoding.checksums
-                await peer.session.send_fragment(header, data, checksums=checksums)
-                peer.sent[index] = snapshot.version
-                self.bytes_out += store.update_bytes
-                if not peer.healed.is_set():
-                    heal_bytes += store.update_bytes
-                failures.pop(index, None)
-                # Acknowledged: the end of this learner's part of the round's sync time (ξ_sync).
+                woken = asyncio.ensure_future(peer.wake.wait())
+                try:
+                    await asyncio.wait([*in_flight.values(), woken], return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    woken.cancel()
+                for index, task in list(in_flight.items()):
+                    if task.done():
+                        del in_flight[index]
+                        sent = task.result()  # a closed session ends this learner's sends
+                        if not peer.healed.is_set():
+                            heal_bytes += sent
+        finally:
+            for task in in_flight.values():
+                task.cancel()
+            await asyncio.gather(*in_flight.values(), return_exceptions=True)
+
+    def _update_window(self, peer: _Peer) -> int:
+        """Updates this learner may have in flight: 1 below UPDATE_PIPELINE_MIN_RTT_S of round trip
+        (as the kernel measured it on the control connection), else enough of the largest to keep
+        AUTO_RATE_GBPS x RTT in flight, plus one, at most MAX_UPDATES_IN_FLIGHT."""
+        rtt_s = peer.session.round_trip_s()
+        if rtt_s is None or rtt_s < UPDATE_PIPELINE_MIN_RTT_S:
+            return 1
+        largest = max((store.update_bytes for store in self.model.fragments), default=1) or 1
+        in_flight = AUTO_RATE_GBPS * 1e9 / 8 * rtt_s
+        return max(1, min(MAX_UPDATES_IN_FLIGHT, math.ceil(in_flight / largest) + 1))
+
+    async def _send_update(self, peer: _Peer, index: int, failures: dict[int, int]) -> int:
+        """One fragment's newest snapshot to this learner, unless it has that version already; the
+        bytes sent (0 when nothing was). A failed transfer is queued again, up to UPDATE_ATTEMPTS."""
+        store = self.model.fragments[index]
+        snapshot = self.model.acquire(index)
+        try:
+            if peer.sent.get(index) == snapshot.version:
                 self.rounds.update_done(peer.learner, index, snapshot.version, self.clock())
-            except TransferFailed as exc:
-                failures[index] += 1
-                log.warning("update failed", learner=peer.learner, fragment=index, error=str(exc))
-                if failures[index] < UPDATE_ATTEMPTS:
-                    peer.pending.setdefault(index, None)
-                else:  # given up until the next version: the round no longer waits on this send
-                    self.rounds.update_done(peer.learner, index, snapshot.version, self.clock())
-            finally:
-                # The encoding is kept while a healed learner still waits for this version (after
-                # a merge, every one of them): one encoding per version, shared.
-                waiting = any(index in other.pending and other.joined for other in self.peers.values())
-                self.model.release(index, snapshot, keep_encoding=waiting)
+                return 0
+            header = UpdateHeader(
+                store.update_manifest,
+                store.update_bytes,
+                self.config.codec,
+                self.config.chunk,
+                fragment=index,
+                version=snapshot.version,
+            )
+            data, checksums = snapshot.buffer, snapshot.checksums
+            if self.model.update_precision != "fp32":
+                encoding = await self._encoded(index, snapshot)
+                data, checksums = encoding.buffer, encoding.checksums
+            await peer.session.send_fragment(header, data, checksums=checksums)
+            peer.sent[index] = snapshot.version
+            self.bytes_out += store.update_bytes
+            failures.pop(index, None)
+            # Acknowledged: the end of this learner's part of the round's sync time (ξ_sync).
+            self.rounds.update_done(peer.learner, index, snapshot.version, self.clock())
+            return store.update_bytes
+        except TransferFailed as exc:
+            failures[index] += 1
+            log.warning("update failed", learner=peer.learner, fragment=index, error=str(exc))
+            if failures[index] < UPDATE_ATTEMPTS:
+                peer.pending.setdefault(index, None)
+                peer.wake.set()
+            else:  # given up until the next version: the round no longer waits on this send
+                self.rounds.update_done(peer.learner, index, snapshot.version, self.clock())
+            return 0
+        finally:
+            # The encoding is kept while a healed learner still waits for this version (after
+            # a merge, every one of them): one encoding per version, shared.
+            waiting = any(index in other.pending and other.joined for other in self.peers.values())
+            self.model.release(index, snapshot, keep_encoding=waiting)
 
     async def _encoded(self, index: int, snapshot: Snapshot) -> Encoding:
         """The snapshot's encoding at the update precision: the one kept on it, else made in the

@@ -152,19 +152,22 @@ class _HeldSession:
         await self.acknowledge.wait()
         return 1
 
+    def round_trip_s(self) -> float | None:
+        return None  # as on a socket the kernel says nothing of: one update at a time
 
-def _service(clock: _Clock, state_dir: Path) -> SyncerService:
-    module = torch.nn.Linear(4, 2)
+
+def _service(clock: _Clock, state_dir: Path, fragments: int = 1) -> SyncerService:
+    module = torch.nn.Linear(4, 2) if fragments == 1 else torch.nn.Linear(64, 2 * fragments, bias=False)
     specs = model_entries(module)
     model = GlobalModel(
-        plan_fragments([(s.name, s.shape) for s in specs], 1),
+        plan_fragments([(s.name, s.shape) for s in specs], fragments),
         specs,
         chunk_bytes=4096,
         embedding_pattern="*embed*",
     )
     model.load(dict(module.named_parameters()))
     model.publish_all()
-    rounds = Rounds(RoundConfig(fragments=1, sync_every=1, quorum=2))
+    rounds = Rounds(RoundConfig(fragments=fragments, sync_every=fragments, quorum=2))
     return SyncerService(
         SyncerConfig(),
         model,
@@ -224,3 +227,60 @@ def test_the_services_sync_time_includes_sending_the_merge_back(tmp_path: Path) 
     """The merge itself takes no time on the fake clock; the updates are acknowledged by a 2 s and
     b 5 s after it began. ξ_sync is 5 s (it was 0: merged() ended the sample)."""
     assert asyncio.run(_merge_and_send_back(tmp_path)) == pytest.approx(5.0)
+
+
+class _WanSession:
+    """A learner's session across a link with this round trip: sends complete when the test lets
+    them, and it counts how many are under way at once."""
+
+    def __init__(self, rtt_s: float | None) -> None:
+        self.rtt_s = rtt_s
+        self.under_way = 0
+        self.most = 0
+        self.started = asyncio.Event()
+        self.release = asyncio.Event()
+
+    def round_trip_s(self) -> float | None:
+        return self.rtt_s
+
+    async def send_fragment(self, header: object, buffer: object, *, checksums: object = None) -> int:
+        self.under_way += 1
+        self.most = max(self.most, self.under_way)
+        self.started.set()
+        try:
+            await self.release.wait()
+        finally:
+            self.under_way -= 1
+        return 1
+
+
+async def _heal(state_dir: Path, rtt_s: float | None) -> tuple[int, int]:
+    """A heal of 4 fragments: (the most updates under way at once, the window)."""
+    service = _service(_Clock(), state_dir, fragments=4)
+    session = _WanSession(rtt_s)
+    peer = _Peer("a", session=session)  # type: ignore[arg-type]
+    service.peers["a"] = peer
+    peer.pending.update(dict.fromkeys(range(4)))
+    sender = asyncio.create_task(service._send_updates(peer))
+    try:
+        async with asyncio.timeout(SIGNAL_TIMEOUT_S):
+            # The sends the window allows were all started in the turn that started the first:
+            # they ran before this waiter did.
+            await session.started.wait()
+            session.release.set()
+            await peer.healed.wait()
+        assert peer.sent == dict.fromkeys(range(4), 0)
+        return session.most, service._update_window(peer)
+    finally:
+        sender.cancel()
+        await asyncio.gather(sender, return_exceptions=True)
+        service._executor.shutdown()
+        service._screener.shutdown()
+
+
+def test_updates_go_one_at_a_time_on_a_short_round_trip_and_together_across_a_wan(tmp_path: Path) -> None:
+    """Below 2 ms of round trip one update is under way at a time; at 100 ms the window covers
+    5 Gbit/s x RTT of these 512-byte fragments (capped at 32), so all four are sent at once."""
+    assert asyncio.run(_heal(tmp_path / "lan", 0.0005)) == (1, 1)
+    assert asyncio.run(_heal(tmp_path / "none", None)) == (1, 1)
+    assert asyncio.run(_heal(tmp_path / "wan", 0.100)) == (4, 32)

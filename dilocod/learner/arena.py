@@ -96,7 +96,8 @@ class Arena:
     def populate(self, threads: int | None = None) -> float:
         """Fault every page in, on `threads` threads (default: the cores, at most
         MAX_POPULATE_THREADS); returns the seconds it took. A write of zero per page: the memory
-        reads as before, and a page written already is not written again by a heal."""
+        reads as it did (zeros), and the kernel backs every page now rather than at a heal's first
+        write into it."""
         count = max(1, min(threads or os.cpu_count() or 1, MAX_POPULATE_THREADS))
         span = _aligned(-(-self.size // count))
 

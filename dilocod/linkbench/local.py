@@ -167,6 +167,8 @@ def apply_sysctls(link: Link, settings: Sequence[tuple[str, str]]) -> dict[str, 
     """Set each sysctl inside the link's namespaces (never the host's: a key that is not per
     network namespace, like net.core.rmem_max or default_qdisc, cannot be set from inside one and
     is reported as such); {"applied": {key: value}, "not_in_namespace": [key, ...]}."""
+    if settings and shutil.which("sysctl") is None:
+        raise LocalBenchError("--sysctls needs the sysctl command (Debian/Ubuntu: apt-get install procps)")
     applied: dict[str, str] = {}
     skipped: list[str] = []
     for key, value in settings:

@@ -20,7 +20,7 @@ Recorded per size, next to what bounds it in the same run:
   run and again every BOUND_EVERY_S during it (the same cores, shared with the learners as the
   merge worker shares them; the ratio against the in-run rate is dilocod's own cost);
 - heal time of each learner (joined to healed) against the raw loopback rate of
-  `dilocod bench loopback` measured in the same run;
+  `dilocod bench loopback` measured right before that size's daemons start;
 - event-loop lag p50/p99/max of the syncer (and of the learners' network loops where they say);
 - checkpoint write times against the disk's own sequential write rate (same directory, fsync);
 - SIGTERM-to-exit times; bytes per learner per step.
@@ -241,7 +241,7 @@ def syncer_fixed_kib() -> int:
 
 
 def run_size(
-    run: Run, seconds: float, step_s: float, raw_gbps: float, work: Path, network: str
+    run: Run, seconds: float, step_s: float, work: Path, network: str
 ) -> dict[str, Any]:
     env = {
         **os.environ,
@@ -264,6 +264,10 @@ def run_size(
     alone["syncer_fixed_kib"] = syncer_fixed_kib()
     bandwidth = add_bandwidth_gbs(largest)
     disk = disk_write_gbs(work, min(model_bytes, 2 << 30))
+    # The raw rate the heals are set against, measured right before this size's daemons start
+    # (loopback on a shared host moves by a third from one minute to the next).
+    raw_gbps = raw_loopback_gbps()
+    print(f"[{run.label}] raw loopback: {raw_gbps} Gbit/s", flush=True)
     entry = ["--entry", "dilocod.examples.scale:make_trainer"]
     checkpoint_every = max(30.0, seconds / 2)
     syncer_log = work / "syncer.log"
@@ -585,15 +589,13 @@ def main() -> None:
     for spec in args.runs.split(","):
         size, learners, pushers = spec.split(":")
         runs.append(Run(f"{size} {learners}+{pushers}", SIZES[size], int(learners), int(pushers)))
-    raw = raw_loopback_gbps()
-    print(f"raw loopback: {raw} Gbit/s", flush=True)
     results = []
     for run in runs:
         with tempfile.TemporaryDirectory(prefix="dilocod-scale-") as tmp:
             # One directory per run: a second run of a size must not resume the first's checkpoint.
             work = Path(tmp) if args.keep is None else args.keep / run.label.replace(" ", "_")
             work.mkdir(parents=True, exist_ok=True)
-            results.append(run_size(run, args.seconds, args.step_s, raw, work, args.network))
+            results.append(run_size(run, args.seconds, args.step_s, work, args.network))
         print(json.dumps(results[-1]), flush=True)
     document = {
         "command": shlex.join(["python", "bench/scale.py", *sys.argv[1:]]),

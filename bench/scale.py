@@ -240,9 +240,7 @@ def syncer_fixed_kib() -> int:
 # ----------------------------------------------------------------------------- one size
 
 
-def run_size(
-    run: Run, seconds: float, step_s: float, work: Path, network: str
-) -> dict[str, Any]:
+def run_size(run: Run, seconds: float, step_s: float, work: Path, network: str) -> dict[str, Any]:
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",

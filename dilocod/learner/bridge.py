@@ -104,6 +104,13 @@ class Inbox:
     fatal: str | None = None
 
 
+def stale_under(plan: Plan, adopt: Adopt) -> bool:
+    """Whether an update not yet applied means nothing under a new plan: it came from another
+    syncer incarnation. One from the same incarnation (a session lost and joined again) is still
+    that fragment's merged value, and a rejoin's JOIN counts it as held (Link._held)."""
+    return adopt.incarnation != plan.incarnation
+
+
 def newer_update(pending: Adopt | None, adopt: Adopt) -> Adopt | None:
     """What replaces a fragment's update not yet applied when another arrives: the newer one (or a
     heal, whatever its version), still a heal if either was; None when the arrival is older."""
@@ -178,9 +185,11 @@ class Bridge:
     def post_plan(self, plan: Plan) -> None:
         with self._posted:
             self._plan = plan
-            # Requests and updates of an older plan mean nothing under the new one.
-            dropped = list(self._updates.values())
-            self._updates.clear()
+            # Requests of an older session mean nothing under the new one; its updates do when
+            # they come from the same syncer incarnation (a rejoin's JOIN says it holds them).
+            dropped = [a for a in self._updates.values() if stale_under(plan, a)]
+            for adopt in dropped:
+                del self._updates[adopt.fragment]
             self._requests.clear()
             self._posted.notify_all()
         for adopt in dropped:

@@ -74,6 +74,7 @@ from dilocod.wire.messages import (
     PushHeader,
     StepReport,
     UpdateHeader,
+    held_current,
 )
 from dilocod.wire.stream import StreamHeader
 
@@ -103,6 +104,9 @@ CODEC_SAMPLE_BYTES = 8 << 20
 CODEC_MIN_SECONDS = 0.05
 #: Byte-plane shuffle of compressed pushes (float32 items; it still groups bytes of narrower ones).
 PUSH_SHUFFLE = 4
+#: A push the syncer found damaged on the way (TransferFailed.damaged) is sent again, this many
+#: times in all; a refusal for any other reason is final.
+PUSH_ATTEMPTS = 3
 
 
 class FatalLinkError(Exception):
@@ -144,6 +148,8 @@ class LinkStats:
     joins: int = 0
     pushes_sent: int = 0
     pushes_refused: int = 0
+    #: Pushes sent again after the syncer found them damaged on the way.
+    pushes_resent: int = 0
     updates_received: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -205,12 +211,15 @@ class Link:
         self._manifests: list[tuple[TensorEntry, ...]] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dilocod-push")
         self._pushes: set[asyncio.Task[None]] = set()
-        #: bf16 updates being decoded (in the push worker), and the plan each arrived under (a
-        #: decode that finishes under a newer plan is dropped, as post_plan drops older updates).
+        #: bf16 updates being decoded (in the push worker); one that finishes under another syncer
+        #: incarnation is dropped, as post_plan drops that incarnation's updates.
         self._decodes: set[asyncio.Task[None]] = set()
-        self._plans = 0
         self._pushed_at: dict[int, float] = {}
         self._healing: set[int] = set()
+        #: The version of each fragment posted to the training side under self.incarnation (which
+        #: it applies or holds: Bridge.post_plan keeps updates of the same incarnation). A JOIN
+        #: back to that incarnation names them, and the syncer sends only the fragments that moved.
+        self._held: dict[int, int] = {}
         #: Error-feedback residuals of the lossy precisions, per fragment (push worker only).
         self._residuals: dict[int, list[Tensor]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -325,7 +334,8 @@ class Link:
         self.stats.sessions += 1
         self.stats.streams = len(session.data)
         try:
-            await session.send(Join(self.model, self.incarnation, self.instance))
+            join = Join(self.model, self.incarnation, self.instance, self._held_versions())
+            await session.send(join)
             try:
                 async with asyncio.timeout(self.config.join_timeout_s):
                     first = await session.recv()
@@ -341,7 +351,7 @@ class Link:
                 check_plan(first, self.model)
             except PlanMismatch as exc:
                 raise FatalLinkError(str(exc)) from None
-            self._adopt_plan(first)
+            self._adopt_plan(first, join)
             self.stats.connected = True
             self.stats.joins += 1
             log.info("joined", syncer=self._syncer, incarnation=first.incarnation)
@@ -425,18 +435,38 @@ class Link:
         )
         return choice.streams
 
-    def _adopt_plan(self, plan: Plan) -> None:
+    def _held_versions(self) -> tuple[int | None, ...]:
+        """JOIN.held: per fragment of this incarnation's plan, the version posted, None if none."""
+        if not self.incarnation or not self._held:
+            return ()
+        return tuple(self._held.get(p) for p in range(len(self._manifests)))
+
+    def _adopt_plan(self, plan: Plan, join: Join) -> None:
         shapes = {e.name: e.shape for e in plan.model}
         layouts = [fragment_manifest(pieces, shapes) for pieces in plan.fragments]
         self._manifests = [manifest for manifest, _ in layouts]
         self.bridge.expect_anchors([size for _, size in layouts])
-        if plan.incarnation != self.incarnation and self.incarnation:
-            log.info("new syncer incarnation: healing", old=self.incarnation, new=plan.incarnation)
+        same = plan.incarnation == self.incarnation
+        if not same:
+            if self.incarnation:
+                log.info("new syncer incarnation: healing", old=self.incarnation, new=plan.incarnation)
+            self._held.clear()
+            self._residuals.clear()  # another syncer's plan may cut the model differently
         self.incarnation = self.stats.incarnation = plan.incarnation
-        self._plans += 1
         self.bridge.post_plan(plan)
-        self._healing = set(range(len(plan.fragments)))
-        self._residuals.clear()  # a new plan may cut the model differently
+        # Back on the same incarnation, a fragment held at any version keeps its anchor: one that
+        # moved arrives as a merge does (the syncer skips the ones still current: held_current).
+        # Only the fragments not held are healed, that is, overwritten.
+        self._healing = set(range(len(plan.fragments))) - set(self._held)
+        skipped = held_current(join, plan)
+        if same:
+            log.info(
+                "rejoined",
+                syncer=self._syncer,
+                held=len(self._held),
+                current=len(skipped),
+                to_receive=len(plan.fragments) - len(skipped),
+            )
 
     def _on_item(self, item: object) -> None:
         if isinstance(item, FragmentRequest):
@@ -464,7 +494,7 @@ class Link:
                 self.stats.last_push_to_update_s = self._loop.time() - pushed
             adopt = Adopt(header.fragment, header.version, buffer, heal, self.incarnation)
             if precision == "fp32":
-                self.bridge.post_update(adopt)
+                self._post_update(adopt)
                 return
             task = asyncio.ensure_future(self._decode(adopt, layout, precision))
             self._decodes.add(task)
@@ -477,7 +507,6 @@ class Link:
         received = adopt.buffer
         shapes = [(entry.name, entry.shape) for entry in layout]
         manifest = push_layout(shapes, precision)[0]
-        plan = self._plans
         target = self.bridge.update_buffer(push_layout(shapes, "fp32")[1])
         try:
             await asyncio.get_running_loop().run_in_executor(
@@ -490,10 +519,17 @@ class Link:
             self.bridge.update_failed(target)
             raise
         self.bridge.release(received)
-        if plan != self._plans:  # a newer plan came meanwhile: this update means nothing under it
+        if adopt.incarnation != self.incarnation:  # another syncer's plan came meanwhile
             self.bridge.release(target)
             return
-        self.bridge.post_update(Adopt(adopt.fragment, adopt.version, target, adopt.heal, adopt.incarnation))
+        self._post_update(Adopt(adopt.fragment, adopt.version, target, adopt.heal, adopt.incarnation))
+
+    def _post_update(self, adopt: Adopt) -> None:
+        """To the training side, which applies it (or a newer one of the fragment) in time."""
+        held = self._held.get(adopt.fragment)
+        if held is None or adopt.heal or adopt.version > held:  # what newer_update keeps
+            self._held[adopt.fragment] = adopt.version
+        self.bridge.post_update(adopt)
 
     # ------------------------------------------------------------------ outbox
 
@@ -596,20 +632,33 @@ class Link:
             ),
         )
         shuffle = PUSH_SHUFFLE if codec != "none" else 0
-        self._meter.started(loop.time(), codec)
-        sent: int | None = None
-        try:
-            self._pushed_at[snapshot.fragment] = loop.time()
-            await session.send_fragment(header, data, shuffle_item_size=shuffle, checksums=checksums)
-            sent = len(data)
-        except TransferFailed as exc:
-            self.stats.pushes_refused += 1
-            log.warning("push refused", fragment=snapshot.fragment, round=snapshot.round, reason=str(exc))
-            return
-        except SessionClosed:
-            return  # the round goes on without this push; the next session heals
-        finally:
-            self._push_ended(loop.time(), sent, session)
+        for attempt in range(1, PUSH_ATTEMPTS + 1):
+            self._meter.started(loop.time(), codec)
+            sent: int | None = None
+            try:
+                self._pushed_at[snapshot.fragment] = loop.time()
+                await session.send_fragment(header, data, shuffle_item_size=shuffle, checksums=checksums)
+                sent = len(data)
+                break
+            except TransferFailed as exc:
+                if exc.damaged and attempt < PUSH_ATTEMPTS:
+                    # Damaged on the way: the syncer admits this round's push again (SPEC §4.4).
+                    self.stats.pushes_resent += 1
+                    log.info(
+                        "push damaged in transit: sending again",
+                        fragment=snapshot.fragment,
+                        round=snapshot.round,
+                        attempt=attempt,
+                        reason=str(exc),
+                    )
+                    continue
+                self.stats.pushes_refused += 1
+                log.warning("push refused", fragment=snapshot.fragment, round=snapshot.round, reason=str(exc))
+                return
+            except SessionClosed:
+                return  # the round goes on without this push; the next session heals
+            finally:
+                self._push_ended(loop.time(), sent, session)
         self.stats.pushes_sent += 1
         self.stats.bytes_sent += len(data)
 

@@ -74,7 +74,16 @@ import msgpack
 import structlog
 
 from dilocod.learner.arena import Arena
-from dilocod.learner.bridge import Adopt, Bridge, Buffer, Inbox, Snapshot, StepReportItem, newer_update
+from dilocod.learner.bridge import (
+    Adopt,
+    Bridge,
+    Buffer,
+    Inbox,
+    Snapshot,
+    StepReportItem,
+    newer_update,
+    stale_under,
+)
 from dilocod.learner.buffers import BufferOwnershipError, BufferPool
 from dilocod.learner.control import control_from_raw, control_to_raw
 from dilocod.learner.delta import import_encoder
@@ -557,10 +566,11 @@ class ProcessBridge:
             raise NetworkProcessError("an inbox whose buffers do not match its updates")
         if control.plan is not None:
             self._plan = control.plan
-            # Updates and requests of an older plan mean nothing under the new one.
-            for _, pending_bid in self._updates.values():
-                self._let_go(pending_bid)
-            self._updates.clear()
+            # As Bridge.post_plan: requests of the older session go, its updates only if stale.
+            for fragment, (queued, queued_bid) in list(self._updates.items()):
+                if stale_under(control.plan, queued):
+                    self._let_go(queued_bid)
+                    del self._updates[fragment]
             self._requests.clear()
         for note, raw_bid in zip(control.updates, ids, strict=True):
             bid = int(raw_bid)

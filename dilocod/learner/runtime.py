@@ -38,6 +38,7 @@ from dilocod.learner.bridge import (
     StepReportItem,
     TrainingSide,
     newer_update,
+    stale_under,
 )
 from dilocod.learner.cadence import Cadence, InFlight, Lateness
 from dilocod.learner.entry import EntryError, check_step_result, step_failed
@@ -385,11 +386,13 @@ class TrainingLoop:
             if plan.incarnation != self.incarnation:
                 # Another syncer incarnation: what we pushed will not come back.
                 self.in_flight.clear()
-            # Requests and updates of the old session mean nothing under the new plan.
+            # Requests of the old session mean nothing under the new plan; its updates do when
+            # they come from the same syncer incarnation (bridge.stale_under).
             self.requests.clear()
-            for adopt in self.held.values():
-                self._let_go(adopt.buffer)
-            self.held.clear()
+            for fragment, adopt in list(self.held.items()):
+                if stale_under(plan, adopt):
+                    self._let_go(adopt.buffer)
+                    del self.held[fragment]
             for fragment in [p for p in self.anchors if p >= len(self.layouts)]:
                 self._let_go(self.anchors.pop(fragment))  # no such fragment under the new plan
                 self.versions.pop(fragment, None)

@@ -1,7 +1,8 @@
 """The syncer service: sessions with learners, glued to the round state machine and the model store.
 
 It owns the I/O and nothing else: per learner, one session (JOIN, then PLAN and every fragment to
-heal it, then step reports and pushes in, requests and updates out); one merge worker thread that
+heal it but those it already holds at their current version, back on this incarnation; then step
+reports and pushes in, requests and updates out); one merge worker thread that
 merges rounds one at a time, and a checkpoint thread that writes fragments lent by the model
 meanwhile (a merge commits new buffers, so a checkpoint always sees a fragment as of one version);
 a ticker that wakes the state machine at its grace deadlines. Decisions
@@ -57,6 +58,7 @@ from dilocod.wire.messages import (
     StatusResponse,
     StepReport,
     UpdateHeader,
+    held_current,
 )
 from dilocod.wire.stream import StreamHeader
 
@@ -448,14 +450,20 @@ class SyncerService:
         session.set_allocator(partial(self._allocate, peer))
         session.on_inbound_failed = partial(self._push_failed, peer)
         session.on_peer_error = partial(self._peer_error, peer)
+        plan = self._plan(learner)
+        # A learner back on this incarnation names the versions it holds: those still current are
+        # not sent again (_send_update skips what `sent` says it has), the rest are.
+        held = held_current(join, plan)
+        peer.sent.update({fragment: plan.versions[fragment] for fragment in held})
         log.info(
             "learner joined",
             learner=learner,
             had_incarnation=join.incarnation or None,
-            heals=len(self.model.fragments),
+            heals=len(plan.fragments) - len(held),
+            held=len(held),
         )
         try:
-            await session.send(self._plan(learner))
+            await session.send(plan)
             peer.pending.update(dict.fromkeys(range(len(self.model.fragments))))
             async with asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._send_updates(peer), name=f"updates {learner}")
@@ -832,7 +840,7 @@ class SyncerService:
         took 24 round trips: bench/notes/wan-rtt.md). A fragment is never in flight twice. The
         first heal is logged once, with its duration and rate."""
         failures: dict[int, int] = defaultdict(int)
-        heal_started, heal_bytes = self.clock(), 0
+        heal_started, heal_bytes, heal_sent = self.clock(), 0, 0
         in_flight: dict[int, asyncio.Task[int]] = {}
         try:
             while True:
@@ -851,6 +859,7 @@ class SyncerService:
                             "learner healed",
                             learner=peer.learner,
                             fragments=len(self.model.fragments),
+                            sent=heal_sent,
                             bytes=heal_bytes,
                             duration_s=round(seconds, 3),
                             gbit_s=round(heal_bytes * 8 / seconds / 1e9, 3),
@@ -868,6 +877,7 @@ class SyncerService:
                         sent = task.result()  # a closed session ends this learner's sends
                         if not peer.healed.is_set():
                             heal_bytes += sent
+                            heal_sent += 1 if sent else 0
         finally:
             for task in in_flight.values():
                 task.cancel()

@@ -26,11 +26,11 @@ from dilocod.wire.connection import Connection
 from dilocod.wire.errors import ErrorCode, ProtocolError, RemoteProtocolError
 from dilocod.wire.events import HandshakeCompleted
 from dilocod.wire.limits import DEFAULT_LIMITS, Limits
-from dilocod.wire.messages import Hello
+from dilocod.wire.messages import CHUNK_RESEND_CAPABILITY, Hello
 from dilocod.wire.states import Role, State
 from dilocod.wire.stream import MAX_EARLY_BYTES, Allocate
 
-CAPABILITIES = ("lz4", "zstd", "shuffle")
+CAPABILITIES = ("lz4", "zstd", "shuffle", CHUNK_RESEND_CAPABILITY)
 Handler = Callable[[Session], Awaitable[None]]
 
 log = structlog.get_logger("dilocod.transport")

@@ -25,6 +25,13 @@ class HandshakeFailed(ConnectionError):
         self.message = message
 
 
+#: Codes a receiver resets a transfer with when its bytes arrived damaged (a chunk's checksum, its
+#: decoded length, the end digest): the same bytes sent again may well arrive whole.
+DAMAGED_IN_TRANSIT = frozenset(
+    {ErrorCode.CHECKSUM_MISMATCH, ErrorCode.LENGTH_MISMATCH, ErrorCode.DIGEST_MISMATCH}
+)
+
+
 class TransferFailed(ConnectionError):
     """One fragment transfer failed as a whole; nothing partial was delivered. Safe to retry."""
 
@@ -32,3 +39,8 @@ class TransferFailed(ConnectionError):
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+
+    @property
+    def damaged(self) -> bool:
+        """The receiver found the bytes damaged on the way (DAMAGED_IN_TRANSIT), not refused them."""
+        return self.code in DAMAGED_IN_TRANSIT

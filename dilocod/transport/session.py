@@ -29,6 +29,8 @@ from dilocod.wire.events import ChunkReceived, Event, HandshakeCompleted, Messag
 from dilocod.wire.frames import CODECS_BY_NAME, ChunkHeader, Codec
 from dilocod.wire.limits import Limits
 from dilocod.wire.messages import (
+    CHUNK_RESEND_CAPABILITY,
+    ChunkResend,
     FragmentAck,
     FragmentEnd,
     Message,
@@ -40,6 +42,7 @@ from dilocod.wire.messages import (
 )
 from dilocod.wire.states import Role
 from dilocod.wire.stream import (
+    DAMAGED_CHUNK_CODES,
     MAX_EARLY_BYTES,
     Allocate,
     FragmentAssembled,
@@ -132,6 +135,10 @@ class Session:
         self.closed = asyncio.Event()
         self.bytes_payload_sent = 0
         self.bytes_payload_received = 0
+        #: Damaged chunks of inbound transfers this end asked for again (CHUNK_RESEND).
+        self.chunks_asked_again = 0
+        #: Whether the peer resends a chunk it is asked for again (its handshake said so).
+        self._peer_resends = CHUNK_RESEND_CAPABILITY in peer.capabilities
         #: Called with (header, buffer) of an inbound transfer that was opened and then failed or
         #: was abandoned (reset by either side, or the session closed). A decompression may still
         #: be writing into that buffer: drop it, never hand it out again.
@@ -363,6 +370,8 @@ class Session:
                 send.wake.set()
         elif isinstance(message, StreamReset):
             self._on_reset(transfer_id, message)
+        elif isinstance(message, ChunkResend):
+            self._on_resend(transfer_id, message.seq)
         elif not isinstance(message, Ping | Pong):
             # PING is answered and PONG taken as liveness by the connection itself (any frame
             # is): neither concerns the application, so neither waits in its queue.
@@ -382,6 +391,21 @@ class Session:
             self._inbound_failed(self._inbound.reset(transfer_id))
             self._inbound_opened.pop(transfer_id, None)
         # else: a reset of one of our own transfers that has already ended (acknowledged, failed)
+
+    def _on_resend(self, transfer_id: int, seq: int) -> None:
+        """The receiver asks for a chunk of one of our transfers again: queued for the sender.
+        A transfer that has ended already (acknowledged, failed) has nothing to send."""
+        send = self._outbound.get(transfer_id)
+        if send is None:
+            return
+        if seq >= send.header.chunks:
+            self.control.abort(
+                ErrorCode.MALFORMED_BODY,
+                f"CHUNK_RESEND for chunk {seq} of a {send.header.chunks}-chunk transfer {transfer_id}",
+            )
+            return
+        send.resend.append(seq)
+        send.wake.set()
 
     @property
     def _peer_parity(self) -> int:
@@ -438,8 +462,10 @@ class Session:
                 return
         if chunk.codec is Codec.NONE:
             # Verifying a checksum runs at memory speed: cheaper inline than a thread hop.
-            check = partial(codecs.decompress_into, chunk, payload, dest, in_place=in_place)
-            if self._guard(transfer_id, check) is False:
+            try:
+                codecs.decompress_into(chunk, payload, dest, in_place=in_place)
+            except RemoteProtocolError as exc:
+                self._chunk_failed(transfer_id, chunk, exc)
                 return
             self._verified(transfer_id, chunk)
             return
@@ -457,11 +483,27 @@ class Session:
             return
         exc = future.exception()
         if isinstance(exc, RemoteProtocolError):
-            self._reset_inbound(transfer_id, exc)
+            self._chunk_failed(transfer_id, chunk, exc)
         elif exc is not None:
             self._reset_inbound(transfer_id, RemoteProtocolError(ErrorCode.INTERNAL, repr(exc)))
         else:
             self._verified(transfer_id, chunk)
+
+    def _chunk_failed(self, transfer_id: int, chunk: ChunkHeader, exc: RemoteProtocolError) -> None:
+        """A chunk did not decode or verify. Damaged on the way, it is asked for again where the
+        peer resends chunks (CHUNK_RESEND, within the transfer's allowance); otherwise, or past
+        that, the transfer is reset."""
+        if (
+            exc.code in DAMAGED_CHUNK_CODES
+            and self._peer_resends
+            and self.control.is_open
+            and self._inbound.chunk_damaged(transfer_id, chunk)
+        ):
+            self._peer_error(f"transfer {transfer_id}", exc)
+            self.chunks_asked_again += 1
+            self.control.reply(ChunkResend(chunk.seq), transfer_id)
+            return
+        self._reset_inbound(transfer_id, exc)
 
     def _verified(self, transfer_id: int, chunk: ChunkHeader) -> None:
         self._guard(transfer_id, partial(self._inbound.chunk_verified, transfer_id, chunk))

@@ -45,6 +45,7 @@ class FrameType(IntEnum):
     CHUNK = 0x40
     FRAGMENT_END = 0x41
     STREAM_RESET = 0x42
+    CHUNK_RESEND = 0x43
 
 
 class Codec(IntEnum):
@@ -64,6 +65,7 @@ TRANSFER_FRAMES = frozenset(
         FrameType.CHUNK,
         FrameType.FRAGMENT_END,
         FrameType.STREAM_RESET,
+        FrameType.CHUNK_RESEND,
     }
 )
 HANDSHAKE_FRAMES = frozenset(

@@ -279,13 +279,20 @@ class Join:
     #: The learner process's own id, kept across its reconnects (optional on the wire; "" for none):
     #: how the syncer tells the same learner coming back from another one under its id.
     instance: str = ""
+    #: The version of each fragment the learner holds from `incarnation`, by that incarnation's
+    #: fragment index, None where it holds none (optional on the wire; () for none): a syncer of
+    #: that incarnation skips the heal of every fragment held at its current version (SPEC §4.4).
+    held: tuple[int | None, ...] = ()
 
     def to_body(self) -> dict[str, Any]:
-        return {
+        body: dict[str, Any] = {
             "model": [e.to_wire() for e in self.model],
             "incarnation": self.incarnation,
             "instance": self.instance,
         }
+        if self.held:
+            body["held"] = list(self.held)
+        return body
 
     @classmethod
     def from_body(cls, b: _Body, limits: Limits) -> Join:
@@ -293,7 +300,33 @@ class Join:
             parse_model(b.raw.get("model"), limits),
             b.text("incarnation", MAX_INCARNATION_BYTES),
             b.optional_text("instance", MAX_INSTANCE_BYTES),
+            _parse_held(b, limits),
         )
+
+
+def held_current(join: Join, plan: Plan) -> frozenset[int]:
+    """The fragments whose healing transfer the syncer skips (SPEC §4.4): JOIN names the PLAN's own
+    incarnation and holds the fragment at the version PLAN gives it. Both ends decide with this."""
+    if not join.held or join.incarnation != plan.incarnation:
+        return frozenset()
+    return frozenset(
+        p for p, (held, current) in enumerate(zip(join.held, plan.versions, strict=False)) if held == current
+    )
+
+
+def _parse_held(b: _Body, limits: Limits) -> tuple[int | None, ...]:
+    """JOIN.held (optional, absent = none): at most max_fragments entries (LIMIT_EXCEEDED, counted
+    first), each a u64 or nil (MALFORMED_BODY)."""
+    if "held" not in b.raw:
+        return ()
+    held = b._get("held", list)
+    if len(held) > limits.max_fragments:
+        raise RemoteProtocolError(
+            ErrorCode.LIMIT_EXCEEDED, f"JOIN.held: {len(held)} fragments, limit {limits.max_fragments}"
+        )
+    if not all(v is None or (type(v) is int and 0 <= v <= U64_MAX) for v in held):
+        raise _malformed("JOIN.held: each entry a u64 version or nil")
+    return tuple(held)
 
 
 @dataclass(frozen=True, slots=True)
@@ -581,6 +614,27 @@ class FragmentAck:
         return cls()
 
 
+#: The capability (HELLO and WELCOME `capabilities`) of a peer that resends a chunk it is asked for
+#: again (CHUNK_RESEND); a receiver asks only such a peer, and resets the transfer otherwise.
+CHUNK_RESEND_CAPABILITY = "chunk-resend"
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkResend:
+    """The receiver of a transfer asks for one chunk again: it arrived damaged (its checksum or
+    its decoding failed). Sent only to a peer whose handshake listed CHUNK_RESEND_CAPABILITY."""
+
+    TYPE: ClassVar[FrameType] = FrameType.CHUNK_RESEND
+    seq: int
+
+    def to_body(self) -> dict[str, Any]:
+        return {"seq": self.seq}
+
+    @classmethod
+    def from_body(cls, b: _Body, limits: Limits) -> ChunkResend:
+        return cls(b.uint("seq", U32_MAX))
+
+
 @dataclass(frozen=True, slots=True)
 class StreamReset:
     """Abandon one transfer (either direction) without closing the connection."""
@@ -691,6 +745,7 @@ Message = (
     | UpdateHeader
     | FragmentEnd
     | FragmentAck
+    | ChunkResend
     | StreamReset
     | Ping
     | Pong
@@ -715,6 +770,7 @@ MESSAGE_TYPES: dict[FrameType, Any] = {
         UpdateHeader,
         FragmentEnd,
         FragmentAck,
+        ChunkResend,
         StreamReset,
         Ping,
         Pong,

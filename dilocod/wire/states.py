@@ -55,6 +55,7 @@ CLIENT_CONTROL = _ANY_OPEN | {
     F.NOTHING_TO_PUSH,
     F.FRAGMENT_END,
     F.FRAGMENT_ACK,
+    F.CHUNK_RESEND,
     F.STATUS_REQUEST,
 }
 #: Frames the server sends on an open control connection (the client receives the same set).
@@ -64,6 +65,7 @@ SERVER_CONTROL = _ANY_OPEN | {
     F.UPDATE_HEADER,
     F.FRAGMENT_END,
     F.FRAGMENT_ACK,
+    F.CHUNK_RESEND,
     F.STATUS_RESPONSE,
 }
 #: Data connections carry only chunks, resets, liveness and closing frames, either way.

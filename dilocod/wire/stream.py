@@ -9,7 +9,9 @@ transfer ids increase per sender (protocol/SPEC.md §1), so one number, the high
 named, tells every finished transfer from one still to come, and a session's bookkeeping stays the
 same size however many transfers it carries. OutboundTransfer remembers which connection carried
 which chunk until the receiver acknowledges, so a lost connection's chunks can be resent on the
-survivors. Pure bookkeeping: no asyncio, socket, torch or logging.
+survivors. A chunk that arrives damaged (its checksum or its decoding fails) is asked for again
+(CHUNK_RESEND, protocol/SPEC.md §5.12) a bounded number of times per transfer, so one flipped bit
+costs one chunk, not the whole transfer. Pure bookkeeping: no asyncio, socket, torch or logging.
 """
 
 from __future__ import annotations
@@ -34,6 +36,13 @@ EARLY_CHUNK_OVERHEAD_BYTES = 256
 #: What early chunks may hold per session (protocol/SPEC.md §6), where the receiver takes inbound
 #: transfers at all; one that refuses every header (a syncer before JOIN) keeps none.
 MAX_EARLY_BYTES = 64 * MiB
+#: Damaged chunks a receiver asks for again per transfer (SPEC §5.12): one per chunk of the
+#: transfer, and at least this many; past that the transfer is reset. A link that damages more
+#: than that is not one a transfer should lean on.
+MIN_CHUNK_RESENDS = 8
+#: Codes of a chunk whose bytes arrived damaged: its checksum, or its decoding (a damaged
+#: compressed payload decodes to the wrong length or not at all).
+DAMAGED_CHUNK_CODES = frozenset({ErrorCode.CHECKSUM_MISMATCH, ErrorCode.LENGTH_MISMATCH})
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +62,8 @@ class _Inbound:
     checksums: list[int]
     done: int = 0
     end: FragmentEnd | None = None
+    #: Damaged chunks asked for again so far (chunk_damaged).
+    resends: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +191,20 @@ class InboundStreams:
         inbound.checksums[chunk.seq] = chunk.checksum
         inbound.done += 1
         return self._maybe_complete(transfer_id, inbound)
+
+    def chunk_damaged(self, transfer_id: int, chunk: ChunkHeader) -> bool:
+        """A chunk of an open transfer failed its checksum or its decoding: whether to ask the
+        sender for it again (True: its slot is free for the copy) or to reset the transfer (its
+        resends are spent: max(MIN_CHUNK_RESENDS, chunks)). A transfer that is not open has
+        nothing to ask for."""
+        inbound = self._transfers.get(transfer_id)
+        if inbound is None or chunk.seq >= len(inbound.state) or inbound.state[chunk.seq] == _DONE:
+            return False
+        if inbound.resends >= max(MIN_CHUNK_RESENDS, inbound.header.chunks):
+            return False
+        inbound.resends += 1
+        inbound.state[chunk.seq] = _PENDING
+        return True
 
     def chunk_abandoned(self, transfer_id: int, chunk: ChunkHeader) -> None:
         """The connection lent this chunk's slice (Connection.lent_chunk) closed before the payload

@@ -46,6 +46,7 @@ from dilocod.wire.frames import (
 from dilocod.wire.limits import DEFAULT_LIMITS, chunk_payload_bound
 from dilocod.wire.manifest import ModelEntry, pack_manifest
 from dilocod.wire.messages import (
+    ChunkResend,
     Error,
     FragmentAck,
     FragmentEnd,
@@ -617,6 +618,9 @@ def build_valid() -> dict[str, Any]:
     server_data, client_data = "data_hmac:server:open", "data_hmac:client:open"
     push, update = _transfers()
     join, plan = _join_and_plan()
+    # The same learner back on the syncer's incarnation after a lost session: it holds fragment 0
+    # at its current version 7 (not sent again, SPEC §4.4) and nothing of fragment 1.
+    rejoin = dataclasses.replace(join, incarnation=plan.incarnation, held=(7, None))
     status = {
         "role": "syncer", "incarnation": "inc-0001", "round": 130, "fragments": 24,
         "learners": ["learner-3"], "versions": [7, 6], "quorum": 1, "grace_s": 0.125,
@@ -627,6 +631,7 @@ def build_valid() -> dict[str, Any]:
     # fmt: off
     table: list[tuple[str, Message, int, str, str]] = [
         ("join", join, 0, server_control, received),
+        ("join_rejoin", rejoin, 0, server_control, received),
         ("plan", plan, 0, client_control, received),
         ("step_report", StepReport(1200, 4_915_200, 0.25), 0, server_control, received),
         ("fragment_request", FragmentRequest(5, 130, 6), 0, client_control, received),
@@ -638,6 +643,7 @@ def build_valid() -> dict[str, Any]:
         ("fragment_end_update", FragmentEnd(len(update.chunks), update.digest), 2, client_control, received),
         ("fragment_ack_update", FragmentAck(), 2, server_control, received),
         ("stream_reset", reset, 2, server_control, received),
+        ("chunk_resend", ChunkResend(1), 1, client_control, received),
         ("ping", Ping(7), 0, server_data, received),
         ("pong", Pong(7), 0, client_data, received),
         ("status_request", StatusRequest(), 0, server_control, received),
@@ -810,6 +816,10 @@ def _connection_vectors() -> list[dict[str, Any]]:
          raw_header(F.STEP_REPORT, 0, 40)),
         ("fragment_end_on_data_connection", data_open, E.UNEXPECTED_FRAME,
          "FRAGMENT_END travels on the control connection only", raw_header(F.FRAGMENT_END, 1, 20)),
+        ("chunk_resend_on_data_connection", data_open, E.UNEXPECTED_FRAME,
+         "CHUNK_RESEND travels on the control connection only", raw_header(F.CHUNK_RESEND, 1, 6)),
+        ("chunk_resend_without_stream_id", server_open, E.MALFORMED_BODY, "CHUNK_RESEND with stream id 0",
+         raw_header(F.CHUNK_RESEND, 0, 6)),
         ("plan_from_client", server_open, E.UNEXPECTED_FRAME, "only the server sends PLAN",
          raw_header(F.PLAN, 0, len(packb(plan_body)))),
         ("join_from_server", client_open, E.UNEXPECTED_FRAME, "only the client sends JOIN",
@@ -872,6 +882,15 @@ def _connection_vectors() -> list[dict[str, Any]]:
          join_with(incarnation="i" * 129)),
         ("join_instance_too_long", server_open, E.MALFORMED_BODY, "instance of 65 bytes",
          join_with(instance="i" * 65)),
+        ("join_held_not_array", server_open, E.MALFORMED_BODY, "held is a map", join_with(held={"0": 7})),
+        ("join_held_negative", server_open, E.MALFORMED_BODY, "a held version of -1",
+         join_with(held=[7, -1])),
+        ("join_held_boolean", server_open, E.MALFORMED_BODY, "a held version of true",
+         join_with(held=[True])),
+        ("chunk_resend_seq_above_u32", server_open, E.MALFORMED_BODY, "CHUNK_RESEND of chunk 2^32",
+         raw_frame(F.CHUNK_RESEND, packb({"seq": 1 << 32}), 1)),
+        ("chunk_resend_without_seq", server_open, E.MALFORMED_BODY, "CHUNK_RESEND with an empty body",
+         raw_frame(F.CHUNK_RESEND, packb({}), 1)),
         ("plan_rows_in_two_fragments", client_open, E.BAD_MANIFEST,
          "rows 18..19 of blocks.0.attn.weight in fragment 0 and again in fragment 1",
          plan_with(fragments=[*fragment_0, [["blocks.0.attn.weight", 18, 32], *fragment_1[1:]]])),

@@ -43,7 +43,7 @@ from dilocod.transport.loop import run
 from dilocod.transport.options import TransportOptions
 from dilocod.wire.frames import FrameType
 
-from .proxy import Fault, FaultProxy, Kind, Way
+from .proxy import Fault, FaultProxy, Kind, RelayFaults, Way
 
 LEARNERS = ("a", "b", "c")
 SURVIVOR = "c"
@@ -104,6 +104,9 @@ class ChaosPlan:
     #: Keep every checkpoint with the steps trained by then: the loss-versus-steps curve another
     #: run is compared with at equal steps (ChaosReport.loss_at_steps).
     keep_curve: bool = False
+    #: Instead of the schedule (faults=False): a flaky relay for the whole run (tests/chaos/proxy.py),
+    #: on from the moment every learner is live until the run's length has passed.
+    relay: RelayFaults | None = None
 
 
 # ------------------------------------------------------------------------------------- processes
@@ -461,6 +464,14 @@ class ChaosRun:
             time.sleep(delay)
 
     def _schedule(self) -> None:
+        if self.plan.relay is not None:
+            assert self.proxy is not None
+            self.proxy.set_relay_faults(self.plan.relay)
+            try:
+                self._at(1.0)
+            finally:
+                self.proxy.set_relay_faults(None)
+            return
         if not self.plan.faults:
             self._at(1.0)
             return
@@ -673,6 +684,19 @@ class ChaosRun:
             learner["id"]: learner["goodput"] for learner in self.final_status.get("learners", [])
         }
         report.rounds_merged = sum(len(s.events("round merged")) for s in self.syncers)
+        report.frames = {f"{learner} {kind}": n for (learner, kind), n in sorted(proxy.frames.items())}
+        for name in self.plan.learners:
+            report.joins[name] = sum(len(d.events("joined")) for d in self.learners[name])
+        report.heals = [
+            {
+                "learner": r["learner"],
+                "bytes": r["bytes"],
+                "fragments": r["fragments"],
+                "duration_s": r["duration_s"],
+            }
+            for s in self.syncers
+            for r in s.events("learner healed")
+        ]
         report.bad_input_logged = Counter(
             r["code"] for s in self.syncers for r in s.events("bad input from learner")
         )
@@ -1005,6 +1029,12 @@ class ChaosReport:
     memory: dict[str, dict[str, float]] = field(default_factory=dict)
     goodput: dict[str, float] = field(default_factory=dict)
     rounds_merged: int = 0
+    #: Frames the proxy saw, per "learner FRAME_TYPE", both ways.
+    frames: dict[str, int] = field(default_factory=dict)
+    #: Sessions that joined (got a PLAN), per learner, the first included.
+    joins: dict[str, int] = field(default_factory=dict)
+    #: The syncer's "learner healed" lines: per session, what it sent before the learner joined.
+    heals: list[dict[str, Any]] = field(default_factory=list)
     bad_input_logged: Counter[str] = field(default_factory=Counter)
     eval_loss: float = float("nan")
     #: Steps the learners kept (ChaosRun._steps_trained).
@@ -1078,6 +1108,7 @@ class ChaosReport:
             "goodput": self.goodput,
             "memory_mib": self.memory,
             "rounds_merged": self.rounds_merged,
+            "joins": self.joins,
             "bad_input_logged": dict(self.bad_input_logged),
             "eval_loss": round(self.eval_loss, 4),
             "steps": self.steps,
@@ -1094,6 +1125,8 @@ class ChaosReport:
             "exits": self.exits,
             "fault_log": self.fault_log,
             "proxy_injected": self.proxy_injected,
+            "frames": self.frames,
+            "heals": self.heals,
             "holding": self.holding,
             "status": self.status,
             "status_table": self.status_table.splitlines(),

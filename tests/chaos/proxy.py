@@ -15,7 +15,10 @@ fire on the next matching frame:
   schedule kills the learner there: "mid-push", "mid-update");
 - blackhole(seconds): a partition: nothing moves on the learner's connections, new ones are accepted
   but get no answer, then everything resumes where it stopped;
-- sever(seconds): every connection of the learner is reset and new ones are refused for a while.
+- sever(seconds): every connection of the learner is reset and new ones are refused for a while;
+- relay faults (RelayFaults, `set_relay_faults`): a flaky relay rather than aimed faults: every
+  frame not already aimed at has a chance of being cut halfway (its connection closed there), and
+  every CHUNK a chance of having one byte of its payload flipped.
 
 The ledger: per control connection the proxy decodes PUSH_HEADER bodies (learner to syncer) and
 records each push the syncer answered with FRAGMENT_ACK (it has the whole push, verified) or
@@ -56,6 +59,17 @@ class Kind(Enum):
     FLIP = "flip"
     TRUNCATE = "truncate"
     HOLD = "hold"
+
+
+@dataclass(frozen=True)
+class RelayFaults:
+    """Faults at random, frame by frame, in both directions on every connection of every learner."""
+
+    #: Chance that a frame is cut halfway (as TRUNCATE: its connection closes there).
+    cut_per_frame: float = 0.005
+    #: Chance that a CHUNK has one byte of its payload flipped (as FLIP).
+    corrupt_per_chunk: float = 0.05
+    seed: int = 0
 
 
 @dataclass
@@ -183,11 +197,14 @@ class _Half:
         self.frame = (frame_type, stream_id, length)
         self.pos = 0
         self.body = bytearray() if frame_type in DECODED and length <= LIMITS.max_control_body_bytes else None
+        self.pipe.proxy.frames[(self.pipe.learner.name, _frame_name(frame_type))] += 1
         fault = self.pipe.learner.take_fault(self.way, frame_type, length, self.pipe.kind)
+        if fault is None:
+            fault = self.pipe.proxy.random_fault(self.way, frame_type, length)
         if fault is not None:
             self.fault = fault
             fault.hit = {
-                "frame": FrameType(frame_type).name,
+                "frame": _frame_name(frame_type),
                 "stream": stream_id,
                 "length": length,
                 "connection": self.pipe.kind,
@@ -217,6 +234,13 @@ class _Half:
         elif frame_type in (FrameType.FRAGMENT_ACK, FrameType.STREAM_RESET):
             self.pipe.on_answer(self.way, stream_id, frame_type == FrameType.FRAGMENT_ACK)
         self.frame, self.body = None, None
+
+
+def _frame_name(frame_type: int) -> str:
+    try:
+        return FrameType(frame_type).name
+    except ValueError:
+        return f"0x{frame_type:02x}"
 
 
 class _Side(asyncio.Protocol):
@@ -392,6 +416,10 @@ class FaultProxy:
         self.injected: Counter[str] = Counter()
         self.bytes: Counter[Way] = Counter()
         self.answers: list[Answer] = []
+        #: Frames seen, per (learner, frame type name), both ways.
+        self.frames: Counter[tuple[str, str]] = Counter()
+        self._relay: RelayFaults | None = None
+        self._relay_rng = random.Random(0)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="fault-proxy", daemon=True)
 
@@ -432,6 +460,23 @@ class FaultProxy:
                 return True
         return False
 
+    def set_relay_faults(self, faults: RelayFaults | None) -> None:
+        """Random faults on every frame from now on (None: none). Returns once they are in force."""
+        self._call(self._set_relay(faults))
+
+    def random_fault(self, way: Way, frame_type: int, length: int) -> Fault | None:
+        """On the proxy's loop, as a frame starts: the relay fault that hits it, if any."""
+        relay = self._relay
+        if relay is None:
+            return None
+        chunk = frame_type == FrameType.CHUNK and length > CHUNK_HEADER_BYTES
+        if chunk and self._relay_rng.random() < relay.corrupt_per_chunk:
+            return Fault(Kind.FLIP, way, frozenset({FrameType(frame_type)}))
+        # A cut lands inside the body: frames of fewer than 2 bytes have no middle.
+        if length >= 2 and self._relay_rng.random() < relay.cut_per_frame:
+            return Fault(Kind.TRUNCATE, way, frozenset())
+        return None
+
     def blackhole(self, learner: str, seconds: float) -> None:
         """Nothing moves to or from this learner for `seconds` (returns at once)."""
         self._loop.call_soon_threadsafe(self._blackhole, self.learners[learner], seconds)
@@ -449,6 +494,11 @@ class FaultProxy:
     def _call(self, work: Any) -> Any:
         future: Future[Any] = asyncio.run_coroutine_threadsafe(work, self._loop)
         return future.result(timeout=30.0)
+
+    async def _set_relay(self, faults: RelayFaults | None) -> None:
+        self._relay = faults
+        if faults is not None:
+            self._relay_rng = random.Random(faults.seed)
 
     async def _count(self, learner: _Learner) -> int:
         return len(learner.pipes)

@@ -40,6 +40,7 @@ from dilocod.wire.manifest import ModelEntry, pack_manifest
 from dilocod.wire.messages import (
     AuthChallenge,
     AuthResponse,
+    ChunkResend,
     Error,
     FragmentAck,
     FragmentEnd,
@@ -98,6 +99,7 @@ SAMPLES: dict[FrameType, Message] = {
     FrameType.GOODBYE: Goodbye("done"),
     FrameType.FRAGMENT_END: FragmentEnd(1, 12345),
     FrameType.STREAM_RESET: StreamReset(int(ErrorCode.TRANSFER_ABORTED), "abandoned"),
+    FrameType.CHUNK_RESEND: ChunkResend(3),
 }
 
 #: What each side may send on an open connection (protocol/SPEC.md §8), written out independently
@@ -111,6 +113,7 @@ EXPECTED_OPEN_SENDS: dict[tuple[Role, str], set[FrameType]] = {
         FrameType.NOTHING_TO_PUSH,
         FrameType.FRAGMENT_END,
         FrameType.FRAGMENT_ACK,
+        FrameType.CHUNK_RESEND,
         FrameType.STATUS_REQUEST,
         FrameType.PING,
         FrameType.PONG,
@@ -122,6 +125,7 @@ EXPECTED_OPEN_SENDS: dict[tuple[Role, str], set[FrameType]] = {
         FrameType.UPDATE_HEADER,
         FrameType.FRAGMENT_END,
         FrameType.FRAGMENT_ACK,
+        FrameType.CHUNK_RESEND,
         FrameType.STATUS_RESPONSE,
         FrameType.PING,
         FrameType.PONG,

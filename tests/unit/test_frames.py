@@ -91,6 +91,7 @@ def test_frame_type_numbers_are_pinned() -> None:
         "CHUNK": 0x40,
         "FRAGMENT_END": 0x41,
         "STREAM_RESET": 0x42,
+        "CHUNK_RESEND": 0x43,
     }
 
 
@@ -188,7 +189,7 @@ BAD_HEADERS = [
     pytest.param(header(FrameType.PING, reserved=1), ErrorCode.BAD_RESERVED, id="reserved"),
     pytest.param(header(0x00), ErrorCode.UNKNOWN_FRAME_TYPE, id="type-0"),
     pytest.param(header(0x05), ErrorCode.UNKNOWN_FRAME_TYPE, id="type-5"),
-    pytest.param(header(0x43, TID), ErrorCode.UNKNOWN_FRAME_TYPE, id="type-0x43"),
+    pytest.param(header(0x44, TID), ErrorCode.UNKNOWN_FRAME_TYPE, id="type-0x44"),
     pytest.param(header(0xFF), ErrorCode.UNKNOWN_FRAME_TYPE, id="type-0xff"),
     pytest.param(header(FrameType.PING, TID, 4), ErrorCode.MALFORMED_BODY, id="stream-id-on-ping"),
     pytest.param(header(FrameType.CHUNK, 0, 100), ErrorCode.MALFORMED_BODY, id="chunk-without-transfer"),

@@ -117,6 +117,21 @@ def test_new_plan_clears_stale_requests_and_updates() -> None:
     assert bridge.take().plan is None
 
 
+def test_a_new_session_of_the_same_incarnation_keeps_its_updates() -> None:
+    """A session lost and joined again: the syncer's incarnation is the one the waiting update
+    came from, so that update is still the fragment's merged value (and the JOIN said it holds it).
+    The requests of the old session are gone all the same."""
+    bridge = Bridge()
+    bridge.post_update(adopt(0, 3, fill=3))
+    bridge.post_request(FragmentRequest(1, 5, 3))
+    again = plan("inc-1")
+    bridge.post_plan(again)
+    inbox = bridge.take()
+    assert inbox.plan is again
+    assert [(u.fragment, u.version, bytes(u.buffer)[0]) for u in inbox.updates] == [(0, 3, 3)]
+    assert inbox.requests == []
+
+
 def test_one_request_per_fragment_and_take_empties() -> None:
     bridge = Bridge()
     bridge.post_request(FragmentRequest(1, 4, 0))

@@ -587,6 +587,34 @@ def test_lockstep_tau2_applies_exactly_tau_steps_after_the_snapshot() -> None:
     assert r.loop.lateness.late_snapshots == 0 and r.loop.lateness.late_applies == 0
 
 
+def test_a_merge_held_for_its_due_step_survives_a_new_session_of_the_same_incarnation() -> None:
+    """Lock-step, tau = 2: the merge of round 0 (pushed at step 1) arrives and is held to step 3.
+    The session is lost and joined again meanwhile, to the same syncer incarnation, whose JOIN
+    said it holds that version: the held merge is applied at its due step, not dropped (the
+    syncer will not send it again)."""
+    r = rig(overlap=2, quorum=0, join_timeout_s=5.0)
+    r.heal(versions=(3, 5))
+    r.loop.boundary()
+    r.loop.one_step()
+    r.bridge.post_request(FragmentRequest(0, 0, 3))
+    r.loop.boundary()  # step 1: round 0's push
+    merged = {n: torch.full(p.shape, 0.25) for n, p in r.job.model.named_parameters()}
+    r.update(0, 4, r.of(0, merged))
+    r.loop.one_step()
+    r.bridge.post_request(FragmentRequest(1, 1, 5))
+    r.loop.boundary()  # step 2: round 1's push; round 0's merge is here, held to step 3
+    assert r.loop.held[0].version == 4
+    r.bridge.post_plan(dataclasses.replace(r.plan, versions=(4, 5), next_round=2))
+    r.loop.one_step()
+    r.bridge.post_request(FragmentRequest(0, 2, 4))
+    r.loop.boundary()  # step 3: round 0's merge is due
+    # Mutation caught: the plan letting go of every held update (the loop waits for the merge in
+    # vain, gives up, and fragment 0 stays at version 3).
+    assert r.loop.versions[0] == 4 and r.loop.given_up == set()
+    for name, value in r.of(0, merged).items():
+        assert torch.equal(dict(r.job.model.named_parameters())[name].detach(), value), name
+
+
 def test_lockstep_gives_up_after_join_timeout() -> None:
     timeout_s = 0.3
     r = rig(overlap=0, steps=2, join_timeout_s=timeout_s, quorum=0)

@@ -35,11 +35,13 @@ from dilocod.wire.messages import (
     AUTH_METHODS,
     MAC_BYTES,
     MAX_INCARNATION_BYTES,
+    MAX_INSTANCE_BYTES,
     MESSAGE_TYPES,
     NONCE_BYTES,
     SESSION_ID_BYTES,
     AuthChallenge,
     AuthResponse,
+    ChunkResend,
     Error,
     FragmentAck,
     FragmentEnd,
@@ -61,6 +63,7 @@ from dilocod.wire.messages import (
     Welcome,
     decode_body,
     encode_body,
+    held_current,
 )
 
 LIMITS = Limits()
@@ -230,13 +233,20 @@ STRATEGIES: dict[type, st.SearchStrategy[Any]] = {
     ),
     FragmentRequest: st.builds(FragmentRequest, uint(U32), uint(U64), uint(U64)),
     NothingToPush: st.builds(NothingToPush, uint(U32), uint(U64), uint(U64), uint(LIMITS.max_reported_steps)),
-    Join: st.builds(Join, models(), text(MAX_INCARNATION_BYTES)),
+    Join: st.builds(
+        Join,
+        models(),
+        text(MAX_INCARNATION_BYTES),
+        text(MAX_INSTANCE_BYTES),
+        st.lists(st.none() | uint(U64), max_size=8).map(tuple),
+    ),
     Plan: plans(),
     PushHeader: push_headers(),
     UpdateHeader: update_headers(),
     FragmentEnd: st.builds(FragmentEnd, uint(LIMITS.max_chunks_per_fragment()), uint(U64)),
     FragmentAck: st.just(FragmentAck()),
     StreamReset: st.builds(StreamReset, uint(U16), text(1024)),
+    ChunkResend: st.builds(ChunkResend, uint(U32)),
     Ping: st.builds(Ping, uint(U64)),
     Pong: st.builds(Pong, uint(U64)),
     StatusRequest: st.just(StatusRequest()),
@@ -428,6 +438,60 @@ def test_text_bounds_count_bytes_not_characters() -> None:
     assert decode_body(FrameType.GOODBYE, body(Goodbye("é" * 512)), LIMITS) == Goodbye("é" * 512)
     hello = decode_body(FrameType.HELLO, body(HELLO, peer_id="p" * 128), LIMITS)
     assert isinstance(hello, Hello) and hello.peer_id == "p" * 128
+
+
+JOIN_HELD_MALFORMED = [
+    pytest.param(body(JOIN, held={"0": 1}), id="map"),
+    pytest.param(body(JOIN, held=[1, -1]), id="negative"),
+    pytest.param(body(JOIN, held=[True]), id="bool"),
+    pytest.param(body(JOIN, held=[1.0]), id="float"),
+    pytest.param(body(JOIN, held=["1"]), id="str"),
+]
+
+
+@pytest.mark.parametrize("raw", JOIN_HELD_MALFORMED)
+def test_join_held_is_u64_or_nil(raw: bytes) -> None:
+    with pytest.raises(RemoteProtocolError) as info:
+        decode_body(FrameType.JOIN, raw, LIMITS)
+    assert info.value.code is ErrorCode.MALFORMED_BODY and "held" in str(info.value)
+
+
+def test_join_held_is_counted_before_its_entries() -> None:
+    small = Limits(max_fragments=4)
+    assert decode_body(FrameType.JOIN, body(JOIN, held=[None, 1, 2, 3]), small) == Join(
+        JOIN.model, JOIN.incarnation, held=(None, 1, 2, 3)
+    )
+    with pytest.raises(RemoteProtocolError) as info:
+        decode_body(FrameType.JOIN, body(JOIN, held=["x"] * 5), small)
+    assert info.value.code is ErrorCode.LIMIT_EXCEEDED
+
+
+def test_a_join_without_held_encodes_as_before() -> None:
+    """held is optional on the wire: absent when empty, so a first JOIN is what it always was."""
+    assert "held" not in JOIN.to_body()
+    assert decode_body(FrameType.JOIN, body(JOIN), LIMITS) == JOIN
+
+
+@pytest.mark.parametrize(
+    ("join_incarnation", "held", "skipped"),
+    [
+        pytest.param("inc-1", (3, 4), {0, 1}, id="all-current"),
+        pytest.param("inc-1", (3, 2), {0}, id="one-moved"),
+        pytest.param("inc-1", (None, 4), {1}, id="one-not-held"),
+        pytest.param("inc-1", (3,), {0}, id="shorter"),
+        pytest.param("inc-1", (3, 4, 5), {0, 1}, id="longer"),
+        pytest.param("inc-1", (), set(), id="none-held"),
+        pytest.param("inc-0", (3, 4), set(), id="another-incarnation"),
+        pytest.param("", (3, 4), set(), id="no-incarnation"),
+        pytest.param("inc-1", (4, 5), set(), id="ahead"),
+    ],
+)
+def test_held_current_skips_only_what_the_learner_holds_as_it_is(
+    join_incarnation: str, held: tuple[int | None, ...], skipped: set[int]
+) -> None:
+    """PLAN: incarnation inc-1, fragment versions (3, 4)."""
+    join = Join(JOIN.model, join_incarnation, "me", held)
+    assert held_current(join, PLAN) == skipped
 
 
 def test_stream_header_limits() -> None:

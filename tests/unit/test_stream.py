@@ -27,7 +27,13 @@ from dilocod.wire.frames import CHUNK_HEADER_BYTES, HEADER_BYTES, ChunkHeader, C
 from dilocod.wire.limits import Limits
 from dilocod.wire.manifest import pack_manifest
 from dilocod.wire.messages import FragmentEnd, PushHeader, UpdateHeader
-from dilocod.wire.stream import FragmentAssembled, InboundStreams, OutboundTransfer
+from dilocod.wire.stream import (
+    DAMAGED_CHUNK_CODES,
+    MIN_CHUNK_RESENDS,
+    FragmentAssembled,
+    InboundStreams,
+    OutboundTransfer,
+)
 
 Connect = Callable[..., tuple[Connection, Connection]]
 
@@ -61,10 +67,14 @@ def push_header(raw_bytes: int = RAW_BYTES, codec: str = "zstd") -> PushHeader:
 
 
 class Receiver:
-    """The receiving session: one InboundStreams behind every connection, as the transport does."""
+    """The receiving session: one InboundStreams behind every connection, as the transport does.
+    With resend, a damaged chunk is asked for again (CHUNK_RESEND, its seq kept in `asked`) while
+    the transfer allows, as the transport does with a peer that resends."""
 
-    def __init__(self, max_early_bytes: int = 64 * 1024 * 1024) -> None:
+    def __init__(self, max_early_bytes: int = 64 * 1024 * 1024, *, resend: bool = False) -> None:
         self.streams = InboundStreams(LIMITS, self.allocate, max_early_bytes)
+        self.resend = resend
+        self.asked: list[int] = []
         self.assembled: list[FragmentAssembled] = []
         self.early: list[int] = []  # seqs handed back by open()
         self.in_place: list[int] = []  # seqs whose payload arrived straight in the destination
@@ -93,7 +103,11 @@ class Receiver:
             return
         try:
             codecs.decompress_into(chunk, payload, dest, in_place=in_place)
-        except RemoteProtocolError:
+        except RemoteProtocolError as exc:
+            damaged = self.resend and exc.code in DAMAGED_CHUNK_CODES
+            if damaged and self.streams.chunk_damaged(transfer_id, chunk):
+                self.asked.append(chunk.seq)
+                return
             self.streams.reset(transfer_id)  # a bad chunk voids its transfer
             raise
         self.done(self.streams.chunk_verified(transfer_id, chunk))
@@ -302,6 +316,123 @@ def test_any_delivery_order_assembles_exactly_once(
         packet = link.packets[0]
         session.deliver(link, rng.choice([len(packet), rng.randrange(1, len(packet) + 1)]))
     assert_assembled_once(receiver, header, fragment)
+
+
+# ------------------------------------------------------------------------------ damaged chunks
+
+
+def send_damaged(
+    out: OutboundTransfer,
+    link: Link,
+    index: int,
+    header: PushHeader,
+    seq: int,
+    codec: Codec,
+    shuffle: int = 0,
+) -> None:
+    """Chunk seq as send_chunk makes it, with one byte of its payload flipped on the way."""
+    start = seq * header.chunk_bytes
+    raw = memoryview(FRAGMENT)[start : start + header.chunk_bytes]
+    used, item_size, payload = codecs.compress(codec, raw, shuffle)
+    damaged = bytearray(payload)
+    damaged[len(damaged) // 2] ^= 0x40
+    chunk = ChunkHeader(seq, len(raw), used, item_size, codecs.checksum(raw))
+    link.client.send_chunk(out.transfer_id, chunk, damaged)
+    out.record(seq, index, chunk.checksum)
+    link.capture()
+
+
+@pytest.mark.parametrize("codec", [Codec.NONE, Codec.LZ4, Codec.ZSTD], ids=lambda c: c.name)
+def test_a_damaged_chunk_is_asked_for_again_and_the_transfer_completes(
+    connect: Connect, codec: Codec
+) -> None:
+    """Uncompressed, the damaged copy landed in place and fails its checksum; compressed, its
+    decoding or its checksum fails. Either way its slot is free again, the transfer stays open, and
+    the copy sent again completes it."""
+    receiver = Receiver(resend=True)
+    session = Session(connect, receiver, n_data=2)
+    header = push_header()
+    session.control.client.send(header, TID)
+    session.control.capture()
+    out = OutboundTransfer(TID, header.chunks)
+    for seq in range(header.chunks):
+        if seq == 3:
+            send_damaged(out, session.data[1], 1, header, seq, codec)
+        else:
+            send_chunk(out, session.data[seq % 2], seq % 2, header, FRAGMENT, seq, codec)
+    session.control.client.send(out.end(), TID)
+    session.control.capture()
+    for link in session.links():
+        session.deliver_all(link)
+    assert receiver.asked == [3]
+    assert receiver.assembled == [] and len(receiver.streams) == 1
+    send_chunk(out, session.data[0], 0, header, FRAGMENT, 3, codec)
+    session.deliver_all(session.data[0])
+    assert_assembled_once(receiver, header, FRAGMENT)
+
+
+def test_damaged_chunks_are_asked_for_again_a_bounded_number_of_times() -> None:
+    """One resend per chunk of the transfer, at least MIN_CHUNK_RESENDS: then the transfer is
+    reset. A chunk already verified, or a transfer not open, has nothing to ask for."""
+    streams = InboundStreams(LIMITS, lambda header: memoryview(bytearray(header.raw_bytes)))
+    header = push_header()
+    streams.open(TID, header)
+    raw = FRAGMENT[:CHUNK_BYTES]
+    chunk = ChunkHeader(0, CHUNK_BYTES, Codec.NONE, 0, codecs.checksum(raw))
+    allowance = max(MIN_CHUNK_RESENDS, header.chunks)
+    for _ in range(allowance):
+        assert streams.destination(TID, chunk, memoryview(raw)) is not None
+        assert streams.chunk_damaged(TID, chunk)
+    assert streams.destination(TID, chunk, memoryview(raw)) is not None
+    assert not streams.chunk_damaged(TID, chunk)
+    good = ChunkHeader(1, CHUNK_BYTES, Codec.NONE, 0, 0)
+    assert streams.destination(TID, good, memoryview(raw)) is not None
+    streams.chunk_verified(TID, good)
+    assert not streams.chunk_damaged(TID, good)  # verified already: a damaged duplicate is moot
+    assert not streams.chunk_damaged(TID + 2, chunk)  # never opened
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    rng=st.randoms(use_true_random=False),
+    n_data=st.integers(1, 4),
+    damaged=st.sets(st.integers(0, 7), max_size=8),
+)
+def test_damaged_copies_in_any_order_assemble_exactly_once(
+    connect: Connect, rng: random.Random, n_data: int, damaged: set[int]
+) -> None:
+    """Some chunks arrive damaged first, in any interleaving with the rest and with the end; each
+    is asked for exactly once, and the good copies sent in answer complete the transfer."""
+    receiver = Receiver(resend=True)
+    session = Session(connect, receiver, n_data)
+    header = push_header()
+    codec_choice = [rng.choice(CODEC_CYCLE) for _ in range(header.chunks)]
+    session.control.client.send(header, TID)
+    session.control.capture()
+    out = OutboundTransfer(TID, header.chunks)
+    for seq in range(header.chunks):
+        index = rng.randrange(n_data)
+        if seq in damaged:
+            send_damaged(out, session.data[index], index, header, seq, *codec_choice[seq])
+        else:
+            send_chunk(out, session.data[index], index, header, FRAGMENT, seq, *codec_choice[seq])
+    session.control.client.send(out.end(), TID)
+    session.control.capture()
+    answered: set[int] = set()
+    while True:
+        for seq in receiver.asked:  # the sender answers what it was asked, on any connection
+            if seq not in answered:
+                answered.add(seq)
+                index = rng.randrange(n_data)
+                send_chunk(out, session.data[index], index, header, FRAGMENT, seq, *rng.choice(CODEC_CYCLE))
+        pending = [link for link in session.links() if link.packets]
+        if not pending:
+            break
+        link = rng.choice(pending)
+        packet = link.packets[0]
+        session.deliver(link, rng.choice([len(packet), rng.randrange(1, len(packet) + 1)]))
+    assert sorted(receiver.asked) == sorted(damaged)
+    assert_assembled_once(receiver, header, FRAGMENT)
 
 
 # ------------------------------------------------------------------------------ bad streams

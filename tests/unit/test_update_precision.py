@@ -22,7 +22,7 @@ from dilocod.transport.session import FragmentReceived
 from dilocod.wire.codecs import chunk_checksums
 from dilocod.wire.layouts import push_layout
 from dilocod.wire.manifest import fragment_manifest
-from dilocod.wire.messages import Plan, UpdateHeader
+from dilocod.wire.messages import Join, Plan, UpdateHeader
 
 SHAPES = [("embed.weight", (50, 8)), ("out.bias", (7,)), ("block.w", (3, 5, 9))]
 CHUNK = 4096
@@ -161,7 +161,7 @@ def _link() -> tuple[Link, Bridge, Plan]:
     message = Plan("inc", specs, tuple(f.pieces for f in plan.fragments), (0, 0), 4, 1, 1)
     bridge = Bridge()
     link = Link(LinkConfig("127.0.0.1", 7070, "learner-a", None, codec="none"), specs, bridge)
-    link._adopt_plan(message)
+    link._adopt_plan(message, Join(specs))
     bridge.take()  # the plan
     return link, bridge, message
 

@@ -1,0 +1,146 @@
+"""Reconnects behind a flaky relay: how many of the learners' pushes still get through, and what each
+rejoin costs.
+
+A syncer and two learners (charlm, the chaos harness's settings: 4 fragments, H = 8, K = 1) on
+loopback, each learner behind the fault proxy of tests/chaos/ in its relay mode: from the moment
+both learners are live, every frame either way has a chance of being cut halfway (its connection
+closes there) and every chunk a chance of a flipped byte, for the run's length. The same run
+without faults comes first, as the reference.
+
+Recorded per run (from the proxy's count of frames and its ledger of acknowledgements, and the
+daemons' logs): the requests the syncer sent, the pushes the learners started, the pushes the
+syncer acknowledged (whole and verified) and the NOTHING_TO_PUSH answers; "through" is acknowledged
+pushes plus NOTHING_TO_PUSH over requests. Then the sessions each learner joined, and what the
+syncer sent each session before it joined (its "learner healed" lines): bytes against the model's,
+so a rejoin that re-sends the whole model shows as 1.0.
+
+Target (issue 23): with 0.5 % of frames cut and 5 % of chunks corrupted, >= 80 % of pushes get
+through, and a rejoin to the same syncer sends only the fragments that moved.
+
+Usage: python bench/reconnects.py [--seconds 90] [--cut 0.005] [--corrupt 0.05] [--seed 0]
+       [--out bench/results/reconnects.json] [--keep DIR]
+A benchmark: it measures and records, it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "bench" / "results" / "reconnects.json"
+# The harness and its proxy live with the chaos tests (tests/chaos/), which import them as a package.
+sys.path.insert(0, str(ROOT))
+
+from tests.chaos.harness import ChaosPlan, ChaosReport, ChaosRun  # noqa: E402
+from tests.chaos.proxy import RelayFaults  # noqa: E402
+
+LEARNERS = ("a", "b")
+
+
+def model_bytes() -> int:
+    """The float32 bytes of the model the harness trains (charlm), as a heal carries them."""
+    from dilocod.examples.charlm.model import CharLM, CharLMConfig
+
+    model = CharLM(CharLMConfig())
+    return sum(p.numel() * 4 for p in model.parameters())
+
+
+def row(report: ChaosReport, whole_model: int) -> dict[str, Any]:
+    frames = report.frames
+
+    def total(kind: str) -> int:
+        return sum(frames.get(f"{name} {kind}", 0) for name in LEARNERS)
+
+    requests = total("FRAGMENT_REQUEST")
+    acked = report.pushes.get("acked", 0)
+    passes = total("NOTHING_TO_PUSH")
+    heals = report.heals
+    return {
+        "requests": requests,
+        "push_headers": total("PUSH_HEADER"),
+        "pushes_acked": acked,
+        "pushes_refused": report.pushes.get("refused", 0),
+        "nothing_to_push": passes,
+        "through": round((acked + passes) / requests, 4) if requests else None,
+        "joins": report.joins,
+        "heals": len(heals),
+        "heal_bytes": sum(h["bytes"] for h in heals),
+        "heal_share_of_model": [round(h["bytes"] / whole_model, 3) for h in heals],
+        "rejoin_bytes_mean_share": (
+            round(
+                sum(h["bytes"] for h in heals[len(LEARNERS) :])
+                / (whole_model * (len(heals) - len(LEARNERS))),
+                3,
+            )
+            if len(heals) > len(LEARNERS)
+            else None
+        ),
+        "updates_acked": report.updates_acked,
+        "updates_refused": report.updates_refused,
+        "faults_injected": report.proxy_injected,
+        "rounds_merged": report.rounds_merged,
+        "crashes": report.crashes,
+        "lost_pushes": len(report.lost),
+        "double_applied_pushes": len(report.double_applied),
+        "eval_loss": round(report.eval_loss, 4),
+        "steps": report.steps,
+        "wall_s": round(report.wall_s, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--seconds", type=float, default=90.0, help="length of each run")
+    parser.add_argument("--cut", type=float, default=0.005, help="chance that a frame's connection is cut")
+    parser.add_argument("--corrupt", type=float, default=0.05, help="chance that a chunk is corrupted")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-reference", action="store_true", help="skip the fault-free run")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON file the results go to")
+    parser.add_argument("--keep", type=Path, default=None, help="keep the daemons' logs and state here")
+    args = parser.parse_args(argv)
+
+    whole = model_bytes()
+    relay = RelayFaults(cut_per_frame=args.cut, corrupt_per_chunk=args.corrupt, seed=args.seed)
+    runs = [("relay", relay)] if args.no_reference else [("fault-free", None), ("relay", relay)]
+    results: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:
+        root = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="reconnects-")))
+        for label, faults in runs:
+            plan = ChaosPlan(
+                work=root / label,
+                duration_s=args.seconds,
+                faults=False,
+                seed=args.seed,
+                learners=LEARNERS,
+                relay=faults,
+            )
+            report = ChaosRun(plan).run()
+            results[label] = row(report, whole)
+            print(label, json.dumps(results[label]), flush=True)
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT, check=False
+    ).stdout.strip()
+    record = {
+        "command": "python bench/reconnects.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "commit": commit,
+        "model_bytes": whole,
+        "cut_per_frame": args.cut,
+        "corrupt_per_chunk": args.corrupt,
+        "seconds": args.seconds,
+        "runs": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,94 @@
+"""A learner back on the same syncer incarnation is sent only what it lacks (SPEC §4.4): a real
+`dilocod syncer` process, and sessions driven by hand as a learner's link drives them (JOIN with
+the versions it holds, PLAN, the healing transfers it is sent). Every wait is on a log record or a
+message, with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from pathlib import Path
+from typing import Any
+
+from dilocod.transport.endpoints import connect
+from dilocod.transport.loop import run
+from dilocod.transport.session import FragmentReceived, Session
+from dilocod.wire.messages import Join, Plan, UpdateHeader
+
+from .syncer_process import DaemonProcess, entry_model, start_syncer, write_entry
+
+DEADLINE_S = 120.0
+FRAGMENTS = 3
+
+
+async def _join(port: int, join: Join) -> tuple[Session, Plan]:
+    session = await connect("127.0.0.1", port, peer_id="back", streams=1)
+    await session.send(join)
+    async with asyncio.timeout(DEADLINE_S):
+        plan = await session.recv()
+    assert isinstance(plan, Plan)
+    return session, plan
+
+
+async def _updates(session: Session, count: int) -> list[int]:
+    """The fragments of the next `count` updates the session receives."""
+    fragments = []
+    async with asyncio.timeout(DEADLINE_S):
+        while len(fragments) < count:
+            item = await session.recv()
+            if isinstance(item, FragmentReceived) and isinstance(item.header, UpdateHeader):
+                fragments.append(item.header.fragment)
+    return fragments
+
+
+def _healed(syncer: DaemonProcess, index: int) -> dict[str, Any]:
+    """The syncer's `learner healed` line of this learner's session number `index` (from 0):
+    wait_for offers each record once, in order."""
+    heals = itertools.count()
+    return syncer.wait_for(
+        "learner healed", lambda r: r["learner"] == "back" and next(heals) == index, DEADLINE_S
+    )
+
+
+def test_a_rejoin_is_sent_only_the_fragments_it_does_not_hold(tmp_path: Path) -> None:
+    entry_dir = write_entry(tmp_path / "entry")
+    model, _ = entry_model(entry_dir)
+    syncer = start_syncer(tmp_path, entry_dir, tmp_path / "syncer", "--fragments", str(FRAGMENTS))
+
+    async def main() -> None:
+        first, plan = await _join(syncer.port, Join(model, "", "the-learner"))
+        assert len(plan.fragments) == FRAGMENTS
+        assert sorted(await _updates(first, FRAGMENTS)) == list(range(FRAGMENTS))
+        await first.close("reconnecting")
+        first_heal = await asyncio.to_thread(_healed, syncer, 0)
+        assert first_heal["sent"] == FRAGMENTS and first_heal["bytes"] > 0
+
+        # Everything held at its current version: nothing is sent, and the learner is healed.
+        held = tuple(plan.versions)
+        second, again = await _join(syncer.port, Join(model, plan.incarnation, "the-learner", held))
+        assert again.versions == plan.versions
+        second_heal = await asyncio.to_thread(_healed, syncer, 1)
+        assert second_heal["sent"] == 0 and second_heal["bytes"] == 0
+        await second.close("reconnecting")
+
+        # Fragment 1 not held, fragment 2 held at a version the syncer never had: both are sent.
+        partial = (plan.versions[0], None, plan.versions[2] + 5)
+        third, _ = await _join(syncer.port, Join(model, plan.incarnation, "the-learner", partial))
+        assert sorted(await _updates(third, 2)) == [1, 2]
+        third_heal = await asyncio.to_thread(_healed, syncer, 2)
+        assert third_heal["sent"] == 2
+        assert third_heal["bytes"] < first_heal["bytes"]
+        await third.close("reconnecting")
+
+        # Held from another incarnation (a syncer restarted since): healed in full.
+        fourth, _ = await _join(syncer.port, Join(model, "an-older-one", "the-learner", held))
+        assert sorted(await _updates(fourth, FRAGMENTS)) == list(range(FRAGMENTS))
+        await fourth.close("done")
+
+    try:
+        run(main())
+        joined = syncer.log_events("learner joined")
+        assert [(r["heals"], r["held"]) for r in joined] == [(3, 0), (0, 3), (2, 1), (3, 0)]
+    finally:
+        assert syncer.stop() == 0, syncer.stderr()

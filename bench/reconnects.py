@@ -1,8 +1,10 @@
 """Reconnects behind a flaky relay: how many of the learners' pushes still get through, and what each
 rejoin costs.
 
-A syncer and two learners (charlm, the chaos harness's settings: 4 fragments, H = 8, K = 1) on
-loopback, each learner behind the fault proxy of tests/chaos/ in its relay mode: from the moment
+A syncer and two learners (the chaos harness's settings: 4 fragments, H = 8, K = 1) on loopback,
+training charlm (fragments of one chunk), or with --layers N the scale entry's stack of N
+Linear(4096, 4096) layers (67 MB each: fragments of 16 chunks per layer) stepping every --step-s;
+each learner behind the fault proxy of tests/chaos/ in its relay mode: from the moment
 both learners are live, every frame either way has a chance of being cut halfway (its connection
 closes there) and every chunk a chance of a flipped byte, for the run's length. The same run
 without faults comes first, as the reference.
@@ -18,7 +20,7 @@ Target (issue 23): with 0.5 % of frames cut and 5 % of chunks corrupted, >= 80 %
 through, and a rejoin to the same syncer sends only the fragments that moved.
 
 Usage: python bench/reconnects.py [--seconds 90] [--cut 0.005] [--corrupt 0.05] [--seed 0]
-       [--out bench/results/reconnects.json] [--keep DIR]
+       [--layers 0] [--step-s 0.25] [--out bench/results/reconnects.json] [--keep DIR]
 A benchmark: it measures and records, it asserts nothing.
 """
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -42,10 +45,15 @@ from tests.chaos.harness import ChaosPlan, ChaosReport, ChaosRun  # noqa: E402
 from tests.chaos.proxy import RelayFaults  # noqa: E402
 
 LEARNERS = ("a", "b")
+SCALE_ENTRY = "dilocod.examples.scale:make_trainer"
 
 
-def model_bytes() -> int:
-    """The float32 bytes of the model the harness trains (charlm), as a heal carries them."""
+def model_bytes(layers: int) -> int:
+    """The float32 bytes of the model trained, as a heal carries them."""
+    if layers:
+        from dilocod.examples.scale import WIDTH
+
+        return layers * WIDTH * WIDTH * 4
     from dilocod.examples.charlm.model import CharLM, CharLMConfig
 
     model = CharLM(CharLMConfig())
@@ -101,12 +109,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cut", type=float, default=0.005, help="chance that a frame's connection is cut")
     parser.add_argument("--corrupt", type=float, default=0.05, help="chance that a chunk is corrupted")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=int, default=0, help="train the scale entry's N layers (0: charlm)")
+    parser.add_argument("--step-s", type=float, default=0.25, help="the scale entry's step time")
     parser.add_argument("--no-reference", action="store_true", help="skip the fault-free run")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON file the results go to")
     parser.add_argument("--keep", type=Path, default=None, help="keep the daemons' logs and state here")
     args = parser.parse_args(argv)
 
-    whole = model_bytes()
+    whole = model_bytes(args.layers)
+    env: tuple[tuple[str, str], ...] = ()
+    if args.layers:
+        env = (("DILOCOD_SCALE_LAYERS", str(args.layers)), ("DILOCOD_SCALE_STEP_S", str(args.step_s)))
+        os.environ.update(dict(env))  # the analysis builds the same model to check what is held
     relay = RelayFaults(cut_per_frame=args.cut, corrupt_per_chunk=args.corrupt, seed=args.seed)
     runs = [("relay", relay)] if args.no_reference else [("fault-free", None), ("relay", relay)]
     results: dict[str, Any] = {}
@@ -120,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                 seed=args.seed,
                 learners=LEARNERS,
                 relay=faults,
+                entry=SCALE_ENTRY if args.layers else "",
+                env=env,
             )
             report = ChaosRun(plan).run()
             results[label] = row(report, whole)
@@ -130,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         "command": "python bench/reconnects.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "commit": commit,
+        "model": f"scale, {args.layers} layers, step {args.step_s} s" if args.layers else "charlm",
         "model_bytes": whole,
         "cut_per_frame": args.cut,
         "corrupt_per_chunk": args.corrupt,

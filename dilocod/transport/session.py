@@ -479,9 +479,11 @@ class Session:
         self._pending_decodes -= 1
         if self._reading_paused and self._pending_decodes <= self.options.max_pending_decodes // 2:
             self._set_reading(paused=False)
-        if future.cancelled() or self.closed.is_set():
+        if future.cancelled():
             return
-        exc = future.exception()
+        exc = future.exception()  # retrieved even when moot, or asyncio logs it as never retrieved
+        if self.closed.is_set():
+            return
         if isinstance(exc, RemoteProtocolError):
             self._chunk_failed(transfer_id, chunk, exc)
         elif exc is not None:

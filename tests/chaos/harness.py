@@ -58,6 +58,7 @@ SYNCER_ARGS = (
 #: compresses its pushes, so corrupted zstd payloads reach the syncer's decoder too.
 LEARNER_ARGS = ("--device", "cpu", "--streams", "2", "--save-every-s", "5", "--progress-every-s", "2")
 CODECS = {"a": "none", "b": "zstd", "c": "none"}
+CHARLM_ENTRY = "dilocod.examples.charlm:make_trainer"
 #: The transport's deadline the long faults are measured against: a session silent this long is
 #: closed (30 s). Nothing is scaled down: the partition is 2/3 of it (the session survives), the
 #: long stop 10 s more (the syncer drops the session; the learner reconnects and heals).
@@ -107,6 +108,10 @@ class ChaosPlan:
     #: Instead of the schedule (faults=False): a flaky relay for the whole run (tests/chaos/proxy.py),
     #: on from the moment every learner is live until the run's length has passed.
     relay: RelayFaults | None = None
+    #: The training both daemons run (--entry), and environment it reads; "" is the embedded
+    #: charlm, the only one whose eval loss a report gives.
+    entry: str = ""
+    env: tuple[tuple[str, str], ...] = ()
 
 
 # ------------------------------------------------------------------------------------- processes
@@ -270,7 +275,8 @@ class ChaosRun:
         self.plan = plan
         self.work = plan.work
         self.rng = random.Random(plan.seed)
-        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **dict(plan.env)}
+        self.entry_args = ("--entry", plan.entry) if plan.entry else ()
         self.syncers: list[Daemon] = []
         self.learners: dict[str, list[Daemon]] = {name: [] for name in plan.learners}
         self.samples: list[Sample] = []
@@ -308,6 +314,7 @@ class ChaosRun:
             [
                 *(sys.executable, "-m", "dilocod", "syncer", "--listen", "127.0.0.1:0"),
                 *("--state-dir", str(self.work / "syncer"), "--ready-json", *SYNCER_ARGS),
+                *self.entry_args,
             ],
             self.work / f"syncer-{index}.log",
         )
@@ -328,6 +335,7 @@ class ChaosRun:
                 *(sys.executable, "-m", "dilocod", "learner", "--syncer", through_proxy, "--id", name),
                 *("--seed", str(seed), "--codec", CODECS.get(name, "none"), *LEARNER_ARGS),
                 *("--state-dir", str(self.work / name)),
+                *self.entry_args,
             ],
             self.work / f"learner-{name}-{index}.log",
         )
@@ -700,7 +708,7 @@ class ChaosRun:
         report.bad_input_logged = Counter(
             r["code"] for s in self.syncers for r in s.events("bad input from learner")
         )
-        report.eval_loss = _eval_loss(self.work / "syncer")
+        report.eval_loss = float("nan") if self.plan.entry else _eval_loss(self.work / "syncer")
         report.steps = self._steps_trained()
         if self.plan.keep_curve:
             self._keep_checkpoints()  # the one written at shutdown
@@ -865,7 +873,7 @@ class ChaosRun:
         syncer had at least 1 s before the learners were told to stop (a merge in the last second
         may not have reached them) with the digest the syncer logged when it merged that version."""
         syncer = self.syncer
-        final = _final_fragments(self.work / "syncer")
+        final = _final_fragments(self.work / "syncer", self.plan.entry or CHARLM_ENTRY)
         digests: dict[tuple[int, int], str] = {(p, v): d for p, (v, d) in enumerate(final)}
         as_of: dict[int, int] = dict(enumerate(syncer.info["versions"]))
         for record in syncer.events("round merged"):
@@ -945,11 +953,11 @@ def _live(status: dict[str, Any]) -> set[str]:
     return {learner["id"] for learner in status["learners"] if learner["live"] and learner["connected"]}
 
 
-def _final_fragments(syncer_state: Path) -> list[tuple[int, str]]:
+def _final_fragments(syncer_state: Path, entry: str) -> list[tuple[int, str]]:
     """(version, xxh3-64 of the bytes) of every fragment in the syncer's newest checkpoint, laid
     out as the syncer sends them (its plan and layout, rebuilt the way the syncer builds them)."""
     from dilocod.contract import LearnerContext
-    from dilocod.examples.charlm import make_trainer
+    from dilocod.learner.entry import load_trainer
     from dilocod.learner.layout import model_entries
     from dilocod.outer import plan_fragments
     from dilocod.syncer.checkpoint import load_latest_checkpoint
@@ -959,7 +967,9 @@ def _final_fragments(syncer_state: Path) -> list[tuple[int, str]]:
     loaded = load_latest_checkpoint(syncer_state)
     if loaded is None:
         raise RuntimeError(f"no checkpoint in {syncer_state}")
-    specs = list(model_entries(make_trainer(LearnerContext("x", "syncer", "cpu", 0, 1, None, 0)).model))
+    specs = list(
+        model_entries(load_trainer(entry, LearnerContext("x", "syncer", "cpu", 0, 1, None, 0)).model)
+    )
     plan = plan_fragments([(s.name, s.shape) for s in specs], len(loaded.state.versions))
     model = GlobalModel(plan, specs, chunk_bytes=1 << 20, embedding_pattern="*embed*")
     model.load(loaded.state.params, loaded.state.momentum, loaded.state.versions)

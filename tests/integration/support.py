@@ -417,10 +417,11 @@ class CoreClient:
         kind: str = "control",
         session: bytes = b"",
         timeout_s: float = REPLY_TIMEOUT_S,
+        capabilities: tuple[str, ...] = (),
     ) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
         self.timeout_s = timeout_s
-        self.conn = Connection(Role.CLIENT, secret=secret, local_id="hand-built")
+        self.conn = Connection(Role.CLIENT, secret=secret, local_id="hand-built", capabilities=capabilities)
         self.events: list[Event] = []
         self.conn.start(kind=kind, role="learner", session=session)
         self.flush()

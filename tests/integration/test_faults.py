@@ -43,8 +43,10 @@ from dilocod.wire.frames import (
 )
 from dilocod.wire.limits import Limits, MiB
 from dilocod.wire.messages import (
+    CHUNK_RESEND_CAPABILITY,
     NONCE_BYTES,
     AuthResponse,
+    ChunkResend,
     FragmentAck,
     FragmentEnd,
     Hello,
@@ -54,6 +56,7 @@ from dilocod.wire.messages import (
     StreamReset,
     encode_body,
 )
+from dilocod.wire.stream import MIN_CHUNK_RESENDS
 
 from .support import (
     CHUNK_BYTES,
@@ -614,6 +617,58 @@ def test_chunk_with_wrong_checksum_resets_the_transfer(
         assert isinstance(verdict, StreamReset) and verdict.code == ErrorCode.CHECKSUM_MISMATCH, verdict
         _push(client, 3, fragment, [_good_chunk(fragment)])
         assert _verdict(client, 3) == FragmentAck()
+    _serves(bad_chunk_server, fragments)
+
+
+@pytest.mark.parametrize(
+    ("codec", "shuffle"),
+    [
+        pytest.param(Codec.NONE, 0, id="none"),
+        pytest.param(Codec.ZSTD, 4, id="zstd-shuffle"),
+    ],
+)
+def test_a_damaged_chunk_is_asked_for_again_from_a_peer_that_resends(
+    bad_chunk_server: BenchServer, fragments: Fragments, codec: Codec, shuffle: int
+) -> None:
+    """A client that lists chunk-resend (SPEC §5.12) is asked for a damaged chunk again
+    (CHUNK_RESEND with its seq) instead of having the transfer reset; the copy it sends completes
+    the transfer. Past the transfer's allowance (8 for a one-chunk transfer) it is reset."""
+    fragment = fragments.get(CHUNK_BYTES)
+    used, used_shuffle, payload = codecs.compress(codec, fragment.data, shuffle)
+    assert used is codec
+    good = ChunkHeader(0, CHUNK_BYTES, used, used_shuffle, codecs.checksum(fragment.data))
+    damaged = bytearray(payload)
+    damaged[len(damaged) // 2] ^= 0x10
+
+    def asked(client: CoreClient, transfer_id: int) -> ChunkResend | StreamReset:
+        event = client.wait_for(
+            lambda e: (
+                isinstance(e, MessageReceived)
+                and e.stream_id == transfer_id
+                and isinstance(e.message, ChunkResend | StreamReset | FragmentAck)
+            )
+        )
+        assert isinstance(event, MessageReceived)
+        assert isinstance(event.message, ChunkResend | StreamReset), event.message
+        return event.message
+
+    with CoreClient(bad_chunk_server.port, capabilities=(CHUNK_RESEND_CAPABILITY,)) as client:
+        _push(client, 1, fragment, [(good, damaged)])
+        assert asked(client, 1) == ChunkResend(0)
+        client.conn.send_chunk(1, good, payload)
+        client.flush()
+        assert _verdict(client, 1) == FragmentAck()
+        # Damaged every time: asked again MIN_CHUNK_RESENDS times, then reset.
+        _push(client, 3, fragment, [(good, damaged)])
+        for _ in range(MIN_CHUNK_RESENDS):
+            assert asked(client, 3) == ChunkResend(0)
+            client.conn.send_chunk(3, good, damaged)
+            client.flush()
+        verdict = asked(client, 3)
+        assert isinstance(verdict, StreamReset) and verdict.code in (
+            ErrorCode.CHECKSUM_MISMATCH,
+            ErrorCode.LENGTH_MISMATCH,
+        ), verdict
     _serves(bad_chunk_server, fragments)
 
 

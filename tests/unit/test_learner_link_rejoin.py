@@ -1,0 +1,122 @@
+"""The learner's side of a rejoin (SPEC §4.4): the versions its JOIN says it holds are those it
+posted to the training side under the syncer's incarnation; back on that incarnation it heals (that
+is, overwrites) only the fragments it holds nothing of, and what it posted before still reaches the
+training side; another incarnation starts from nothing. A push the syncer found damaged on the
+way is sent again, one refused for any other reason is not."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+import torch
+
+from dilocod.learner.bridge import Bridge, Snapshot
+from dilocod.learner.layout import model_entries
+from dilocod.learner.link import PUSH_ATTEMPTS, Link, LinkConfig
+from dilocod.outer import plan_fragments
+from dilocod.transport.errors import TransferFailed
+from dilocod.transport.session import FragmentReceived
+from dilocod.wire.errors import ErrorCode
+from dilocod.wire.manifest import fragment_manifest
+from dilocod.wire.messages import Join, Plan, PushHeader, UpdateHeader
+
+CHUNK = 1 << 20
+
+
+def _link() -> tuple[Link, Bridge, Plan]:
+    module = torch.nn.Sequential(torch.nn.Linear(8, 40), torch.nn.Linear(40, 7))
+    specs = model_entries(module)
+    plan = plan_fragments([(s.name, s.shape) for s in specs], 2)
+    message = Plan("inc-1", specs, tuple(f.pieces for f in plan.fragments), (4, 7), 4, 1, 1)
+    bridge = Bridge()
+    link = Link(LinkConfig("127.0.0.1", 7070, "learner-a", None, codec="none"), specs, bridge)
+    return link, bridge, message
+
+
+def _receive(link: Link, plan: Plan, fragment: int, version: int) -> None:
+    """An fp32 update of the fragment, as the session hands it over once it is whole."""
+    shapes = {e.name: e.shape for e in plan.model}
+    manifest, size = fragment_manifest(plan.fragments[fragment], shapes)
+    header = UpdateHeader(manifest, size, "none", CHUNK, fragment=fragment, version=version)
+    link._on_item(FragmentReceived(2, header, link._update_buffer(header)))
+
+
+def test_a_rejoin_names_what_it_holds_and_heals_only_the_rest() -> None:
+    link, bridge, plan = _link()
+    assert link._held_versions() == ()  # a first JOIN holds nothing
+    link._adopt_plan(plan, Join(plan.model))
+    assert link._healing == {0, 1}
+    _receive(link, plan, 0, 4)
+    assert link._held_versions() == (4, None)
+
+    # The session is lost; the syncer merged fragment 0 meanwhile. Fragment 0 is held (at an older
+    # version): it arrives as a merge does; fragment 1 is not: it is healed.
+    rejoin = Join(plan.model, link.incarnation, link.instance, link._held_versions())
+    link._adopt_plan(dataclasses.replace(plan, versions=(5, 7)), rejoin)
+    assert link._healing == {1}
+    inbox = bridge.take()
+    # Mutation caught: post_plan letting go of every waiting update (the JOIN said it holds v4).
+    assert [(u.fragment, u.version, u.heal) for u in inbox.updates] == [(0, 4, True)]
+    _receive(link, plan, 0, 5)
+    _receive(link, plan, 1, 7)
+    assert [(u.fragment, u.version, u.heal) for u in bridge.take().updates] == [(0, 5, False), (1, 7, True)]
+    assert link._held_versions() == (5, 7)
+
+    # Another incarnation (the syncer restarted): nothing held, everything healed, nothing waits.
+    _receive(link, plan, 0, 6)
+    link._adopt_plan(dataclasses.replace(plan, incarnation="inc-2"), rejoin)
+    assert link._healing == {0, 1} and link._held_versions() == ()
+    assert bridge.take().updates == []
+    link._executor.shutdown()
+
+
+class _Session:
+    """A session whose syncer answers each push with the next verdict (None: acknowledged)."""
+
+    def __init__(self, verdicts: list[TransferFailed | None]) -> None:
+        self.verdicts = verdicts
+        self.sent: list[PushHeader] = []
+
+    def round_trip_s(self) -> float:
+        return 0.0
+
+    async def send_fragment(self, header: PushHeader, data: object, **_: object) -> int:
+        self.sent.append(header)
+        verdict = self.verdicts.pop(0)
+        if verdict is not None:
+            raise verdict
+        return len(self.sent)
+
+
+DAMAGED = TransferFailed(ErrorCode.CHECKSUM_MISMATCH, "chunk 3: checksum of its raw bytes differs")
+REFUSED = TransferFailed(ErrorCode.STALE_VERSION, "base version 4 is too old")
+
+
+@pytest.mark.parametrize(
+    ("verdicts", "sent", "pushed", "refused"),
+    [
+        pytest.param([None], 1, 1, 0, id="acknowledged"),
+        pytest.param([DAMAGED, None], 2, 1, 0, id="damaged-once"),
+        pytest.param([DAMAGED] * PUSH_ATTEMPTS, PUSH_ATTEMPTS, 0, 1, id="damaged-every-time"),
+        pytest.param([REFUSED], 1, 0, 1, id="refused"),
+    ],
+)
+def test_a_push_damaged_on_the_way_is_sent_again(
+    verdicts: list[TransferFailed | None], sent: int, pushed: int, refused: int
+) -> None:
+    async def scenario() -> None:
+        link, _bridge, plan = _link()
+        link._adopt_plan(plan, Join(plan.model))
+        size = fragment_manifest(plan.fragments[0], {e.name: e.shape for e in plan.model})[1]
+        snapshot = Snapshot(0, 3, 4, 2, 64, bytearray(size), bytearray(size))
+        session = _Session(list(verdicts))
+        await link._push_one(session, snapshot)  # type: ignore[arg-type]
+        assert len(session.sent) == sent
+        assert {(h.fragment, h.round, h.base_version) for h in session.sent} == {(0, 3, 4)}
+        assert (link.stats.pushes_sent, link.stats.pushes_refused) == (pushed, refused)
+        assert link.stats.pushes_resent == sent - 1
+        link._executor.shutdown()
+
+    asyncio.run(scenario())

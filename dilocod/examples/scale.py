@@ -62,13 +62,20 @@ def make_trainer(ctx: LearnerContext) -> Trainer:
     return Trainer(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), step=step)
 
 
+#: smaps_rollup lines memory_kib reads (as lower-case keys): proportional set size in all, and
+#: split into anonymous memory, files (libraries: shared with every other torch process) and shmem
+#: (the memfds a learner shares with its network process).
+ROLLUP_KEYS = ("Rss", "Pss", "Pss_Anon", "Pss_File", "Pss_Shmem")
+
+
 def memory_kib(pid: int) -> dict[str, int]:
-    """Rss and Pss (smaps_rollup) and the peak RSS (VmHWM) of a process, in KiB; {} once it is gone."""
+    """Rss, Pss and its parts (smaps_rollup, ROLLUP_KEYS) and the peak RSS (VmHWM) of a process,
+    in KiB; {} once it is gone."""
     figures: dict[str, int] = {}
     try:
         for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
             key, _, rest = line.partition(":")
-            if key in ("Rss", "Pss"):
+            if key in ROLLUP_KEYS:
                 figures[key.lower()] = int(rest.split()[0])
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("VmHWM:"):

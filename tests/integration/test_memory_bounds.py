@@ -26,10 +26,12 @@ copy or more before the buffers had one owner (3.5 x and 7.2 x the model at 256M
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -89,6 +91,14 @@ def _entry_alone_kib() -> dict[str, int]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _log_events(path: Path) -> list[dict[str, object]]:
+    records = []
+    for line in path.read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            records.append(json.loads(line))
+    return records
+
+
 def _children(pid: int) -> list[int]:
     try:
         return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
@@ -119,16 +129,21 @@ def test_syncer_and_learner_memory_stay_near_their_floors(
     syncer = start_syncer(tmp_path, tmp_path, tmp_path / "s", "--checkpoint-every-s", "4", entry=entry)
     learner = None
     peak = {"learner_pss": 0}
+    #: At the learner's peak: each process's smaps_rollup figures, and when (s after its start).
+    at_peak: dict[str, object] = {}
     done = threading.Event()
     try:
         learner = start_learner(tmp_path, tmp_path, syncer.port, "m", "--network", "process", entry=entry)
+        started = time.monotonic()
 
         def sample() -> None:
             assert learner is not None
             while not done.is_set():
-                total = memory_kib(learner.pid).get("pss", 0)
-                total += sum(memory_kib(c).get("pss", 0) for c in _children(learner.pid))
-                peak["learner_pss"] = max(peak["learner_pss"], total)
+                parts = [memory_kib(learner.pid), *(memory_kib(c) for c in _children(learner.pid))]
+                total = sum(part.get("pss", 0) for part in parts)
+                if total > peak["learner_pss"]:
+                    peak["learner_pss"] = total
+                    at_peak.update(parts=parts, at_s=round(time.monotonic() - started, 2))
                 done.wait(0.05)  # the sampling period
 
         sampler = threading.Thread(target=sample, daemon=True)
@@ -156,4 +171,8 @@ def test_syncer_and_learner_memory_stay_near_their_floors(
     )
     print(figures)
     assert syncer_hwm <= syncer_bound, figures
-    assert overhead <= learner_bound, figures
+    # What a failure needs to be read: the peak's parts (training process, then its network
+    # process), and whether the learner's session was lost and joined again on the way.
+    assert learner is not None
+    sessions = [r for r in _log_events(learner.stderr_path) if r.get("event") in ("joined", "rejoined")]
+    assert overhead <= learner_bound, f"{figures}; at the peak {at_peak}; sessions {sessions}"

@@ -102,6 +102,18 @@ class Inbox:
     updates: list[Adopt] = field(default_factory=list)
     requests: list[FragmentRequest] = field(default_factory=list)
     fatal: str | None = None
+    #: Pushes the syncer never received whole: their session ended under them, or the syncer was
+    #: away when they were made (Bridge.post_lost).
+    lost: list[LostPush] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class LostPush:
+    """A push of this fragment for this round that never reached the syncer: the training side
+    counts its steps again, in the fragment's next push (TrainingLoop._take)."""
+
+    fragment: int
+    round: int
 
 
 def stale_under(plan: Plan, adopt: Adopt) -> bool:
@@ -148,6 +160,7 @@ class Bridge:
         self._updates: dict[int, Adopt] = {}
         self._requests: dict[int, FragmentRequest] = {}
         self._fatal: str | None = None
+        self._lost: list[LostPush] = []
         self._snapshots: dict[int, Snapshot] = {}
         self._steps: deque[StepReportItem] = deque(maxlen=MAX_PENDING_STEPS)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -228,6 +241,11 @@ class Bridge:
             self._fatal = message
             self._posted.notify_all()
 
+    def post_lost(self, lost: LostPush) -> None:
+        """A push that never reached the syncer whole (see LostPush)."""
+        with self._posted:
+            self._lost.append(lost)
+
     def drain(self) -> tuple[list[Snapshot], list[StepReportItem]]:
         with self._lock:
             snapshots = [self._snapshots.pop(k) for k in sorted(self._snapshots)]
@@ -246,8 +264,10 @@ class Bridge:
                 [self._updates.pop(k) for k in sorted(self._updates)],
                 [self._requests.pop(k) for k in sorted(self._requests)],
                 self._fatal,
+                self._lost,
             )
             self._plan = None
+            self._lost = []
         return inbox
 
     def wait(self, timeout_s: float) -> None:

@@ -66,11 +66,14 @@ class Cadence:
 @dataclass(frozen=True, slots=True)
 class InFlight:
     """A fragment pushed and not yet applied back: its round, the step of the snapshot, and the
-    version its anchor held."""
+    version its anchor held; and the fragment's counters (steps, tokens at its last send) before
+    and after this push, to count its steps again if the push is lost."""
 
     round: int
     step: int
     base_version: int
+    counted_from: tuple[int, int] | None = None
+    counted_to: tuple[int, int] | None = None
 
 
 @dataclass(slots=True)

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 import msgpack
 
-from dilocod.learner.bridge import Inbox
+from dilocod.learner.bridge import Inbox, LostPush
 from dilocod.wire.errors import RemoteProtocolError
 from dilocod.wire.frames import FrameType
 from dilocod.wire.limits import DEFAULT_LIMITS
 from dilocod.wire.messages import FragmentRequest, Plan, decode_body, encode_body
 
-_CONTROL_KEYS = frozenset({"plan", "updates", "requests", "fatal"})
+_CONTROL_KEYS = frozenset({"plan", "updates", "requests", "fatal", "lost"})
 
 
 class ControlError(RuntimeError):
@@ -48,6 +48,7 @@ class Control:
     updates: tuple[UpdateNote, ...]
     requests: tuple[FragmentRequest, ...]
     fatal: str | None
+    lost: tuple[LostPush, ...] = ()
 
 
 def control_to_raw(inbox: Inbox) -> dict[str, object]:
@@ -57,6 +58,7 @@ def control_to_raw(inbox: Inbox) -> dict[str, object]:
         "updates": [[u.fragment, u.version, u.heal, u.incarnation, len(u.buffer)] for u in inbox.updates],
         "requests": [[r.fragment, r.round, r.version] for r in inbox.requests],
         "fatal": inbox.fatal,
+        "lost": [[lost.fragment, lost.round] for lost in inbox.lost],
     }
 
 
@@ -85,7 +87,8 @@ def control_from_raw(raw: object) -> Control:
     plan = None if raw["plan"] is None else _plan(raw["plan"])
     requests = tuple([_request(item) for item in _list(raw["requests"], "requests")])
     updates = tuple([_update(item) for item in _list(raw["updates"], "updates")])
-    return Control(plan, updates, requests, fatal)
+    lost = tuple([_lost(item) for item in _list(raw["lost"], "lost")])
+    return Control(plan, updates, requests, fatal, lost)
 
 
 def _plan(body: object) -> Plan:
@@ -126,6 +129,19 @@ def _request(item: object) -> FragmentRequest:
     ):
         raise ControlError(f"inbox control: bad request {item!r:.200}")
     return FragmentRequest(fragment, round_, version)
+
+
+def _lost(item: object) -> LostPush:
+    if (
+        type(item) is not list
+        or len(item) != 2
+        or type(item[0]) is not int
+        or type(item[1]) is not int
+        or item[0] < 0
+        or item[1] < 0
+    ):
+        raise ControlError(f"inbox control: bad lost push {item!r:.200}")
+    return LostPush(item[0], item[1])
 
 
 def _update(item: object) -> UpdateNote:

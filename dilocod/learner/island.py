@@ -81,7 +81,7 @@ class Island:
         control = decode_control(
             self._broadcast_bytes(bytearray(encode_control(inbox)) if self.leader else bytearray())
         )
-        shared = Inbox(control.plan, [], list(control.requests), control.fatal)
+        shared = Inbox(control.plan, [], list(control.requests), control.fatal, list(control.lost))
         for index, note in enumerate(control.updates):
             buffer = inbox.updates[index].buffer if self.leader else bytearray(note.nbytes)
             if note.nbytes:

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Literal
 import structlog
 
 from dilocod.config import Address
-from dilocod.learner.bridge import Adopt, Bridge, Buffer, Snapshot
+from dilocod.learner.bridge import Adopt, Bridge, Buffer, LostPush, Snapshot
 from dilocod.learner.delta import decode_update, encode_lossy, fragment_delta_, zero_residual
 from dilocod.learner.plancheck import PlanMismatch, UpdateRefused, check_plan, update_precision
 from dilocod.ops.looplag import LoopLag
@@ -150,6 +150,8 @@ class LinkStats:
     pushes_refused: int = 0
     #: Pushes sent again after the syncer found them damaged on the way.
     pushes_resent: int = 0
+    #: Pushes whose session ended under them (their steps go into the fragment's next push).
+    pushes_lost: int = 0
     updates_received: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -537,8 +539,11 @@ class Link:
         snapshots, steps = self.bridge.drain()
         session = self.session
         if session is None or not session.is_open:
-            # The syncer is away: its rounds go on without these; step reports are moot.
+            # The syncer is away: its rounds go on without these (the training side counts their
+            # steps again); step reports are moot.
             for snapshot in snapshots:
+                if not snapshot.empty:
+                    self.bridge.post_lost(LostPush(snapshot.fragment, snapshot.round))
                 self.bridge.snapshot_done(snapshot)
             return
         for item in steps:
@@ -656,7 +661,11 @@ class Link:
                 log.warning("push refused", fragment=snapshot.fragment, round=snapshot.round, reason=str(exc))
                 return
             except SessionClosed:
-                return  # the round goes on without this push; the next session heals
+                # The round goes on without this push; its steps are counted again in the
+                # fragment's next one (asked again on rejoin while the round is open).
+                self.stats.pushes_lost += 1
+                self.bridge.post_lost(LostPush(snapshot.fragment, snapshot.round))
+                return
             finally:
                 self._push_ended(loop.time(), sent, session)
         self.stats.pushes_sent += 1

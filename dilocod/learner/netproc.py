@@ -7,8 +7,8 @@ copies and a few small messages). In a thread (`--network thread`) the same link
 training process's GIL, and every frame it parses can make a torch call of the step wait.
 
 Two AF_UNIX SOCK_SEQPACKET socketpairs join the processes:
-- data: child to parent the inbox (plan, merged fragments, requests, a fatal error), parent to
-  child the outbox (step reports, snapshots of requested fragments). The training thread touches
+- data: child to parent the inbox (plan, merged fragments, requests, lost pushes, a fatal
+  error), parent to child the outbox (step reports, snapshots of requested fragments). The training thread touches
   it only at step boundaries and never waits on it (except where the runtime waits anyway: the
   first heal, tau = 0). The child reads it on a timer, near the boundaries it expects
   (OUTBOX_POLL_S, POLL_AHEAD_S), so that the training thread's send never has to wake a sleeping
@@ -79,6 +79,7 @@ from dilocod.learner.bridge import (
     Bridge,
     Buffer,
     Inbox,
+    LostPush,
     Snapshot,
     StepReportItem,
     newer_update,
@@ -381,6 +382,7 @@ class ProcessBridge:
         self._updates: dict[int, tuple[Adopt, int]] = {}  # fragment -> (update, buffer id)
         self._requests: dict[int, Any] = {}
         self._fatal: str | None = None
+        self._lost: list[LostPush] = []
         #: The child's update buffers this side holds (the mailbox, the runtime, snapshots not yet
         #: sent that name them as anchor): buffer id -> holders; and id(view) -> (buffer id, view)
         #: for the views handed to the runtime (the view is kept, so its id stays its own).
@@ -403,8 +405,10 @@ class ProcessBridge:
             [],
             [self._requests.pop(k) for k in sorted(self._requests)],
             self._fatal,
+            self._lost,
         )
         self._plan = None
+        self._lost = []
         for fragment in sorted(self._updates):
             # The mailbox's hold on the buffer becomes the runtime's (release gives it back).
             adopt, _bid = self._updates.pop(fragment)
@@ -590,6 +594,7 @@ class ProcessBridge:
                 self._let_go(pending[1])
         for request in control.requests:
             self._requests[request.fragment] = request
+        self._lost.extend(control.lost)
         if control.fatal is not None:
             self._fatal = control.fatal
 
@@ -788,6 +793,10 @@ class ChildBridge(Bridge):
         super().post_fatal(message)
         self._schedule(urgent=True)
 
+    def post_lost(self, lost: LostPush) -> None:
+        super().post_lost(lost)
+        self._schedule()
+
     def _schedule(self, *, urgent: bool = False) -> None:
         """Forward what was posted at once, or at half-step when that is still ahead (see
         COALESCE_MIN_STEP_S); a forward already due sooner stays."""
@@ -825,7 +834,13 @@ class ChildBridge(Bridge):
         first = True
         while first or updates:
             batch, updates = updates[:MAX_FDS], updates[MAX_FDS:]
-            part = Inbox(inbox.plan if first else None, batch, inbox.requests if first else [], None)
+            part = Inbox(
+                inbox.plan if first else None,
+                batch,
+                inbox.requests if first else [],
+                None,
+                inbox.lost if first else [],
+            )
             if not updates:
                 part.fatal = inbox.fatal
             ids, new, fds = [], [], []

@@ -34,6 +34,7 @@ from dilocod.learner.bridge import (
     Buffer,
     CopyInFlight,
     Inbox,
+    LostPush,
     Snapshot,
     StepReportItem,
     TrainingSide,
@@ -84,6 +85,8 @@ class Progress:
     snapshots: int = 0
     #: Requests answered with NOTHING_TO_PUSH (no step since the fragment's last push).
     passes: int = 0
+    #: Pushes the syncer never received whole, whose steps the fragment's next push counts again.
+    lost: int = 0
     started: float = field(default_factory=time.monotonic)
 
 
@@ -399,6 +402,8 @@ class TrainingLoop:
             self.given_up.clear()
             self.next_round, self.newest_request = plan.next_round, -1
             self.incarnation = plan.incarnation
+        for lost in inbox.lost:
+            self._count_again(lost)
         for adopt in inbox.updates:
             pending = self.held.get(adopt.fragment)
             kept = newer_update(pending, adopt)
@@ -411,6 +416,26 @@ class TrainingLoop:
         for request in inbox.requests:
             self.requests[request.fragment] = request  # a newer round of a fragment replaces the older
             self.newest_request = max(self.newest_request, request.round)
+
+    def _count_again(self, lost: LostPush) -> None:
+        """A push that never reached the syncer: its steps are still in θ - anchor (the anchor has
+        not moved since), so the fragment's counters go back to where they were before it, and
+        its next push (the syncer asks a rejoining learner again for the rounds still open)
+        counts them. Not where the fragment was applied or pushed again since: its counters have
+        moved on from that push. (Keep-local's θ at the push stays: an apply before the next
+        push keeps the steps after it, as when the round merged without the push.)"""
+        flight = self.in_flight.get(lost.fragment)
+        if (
+            flight is None
+            or flight.round != lost.round
+            or flight.counted_from is None
+            or self.sent_at.get(lost.fragment) != flight.counted_to
+        ):
+            return
+        self.sent_at[lost.fragment] = flight.counted_from
+        del self.in_flight[lost.fragment]
+        self.given_up.discard(lost.fragment)
+        self.progress.lost += 1
 
     # ------------------------------------------------------------------ applies
 
@@ -604,13 +629,16 @@ class TrainingLoop:
         if c_steps == 0:
             self.progress.passes += 1
             return
-        self.sent_at[fragment] = (self.progress.steps, self.progress.tokens)
+        counted_from = self.sent_at.get(fragment)
+        counted_to = self.sent_at[fragment] = (self.progress.steps, self.progress.tokens)
         if self.config.apply == "keep-local":
             # Every rank keeps its own: the snapshot's buffer belongs to the network (and may be
             # lent to its process and reused once the push is made).
             with torch.no_grad():
                 self.sent[fragment] = [param.detach().clone() for param in self.layouts[fragment].params]
-        self.in_flight[fragment] = InFlight(round_index, self.step_index, self.versions[fragment])
+        self.in_flight[fragment] = InFlight(
+            round_index, self.step_index, self.versions[fragment], counted_from, counted_to
+        )
         self.progress.snapshots += 1
 
     # ------------------------------------------------------------------ waiting (only where asked)

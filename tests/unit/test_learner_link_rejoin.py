@@ -2,7 +2,8 @@
 posted to the training side under the syncer's incarnation; back on that incarnation it heals (that
 is, overwrites) only the fragments it holds nothing of, and what it posted before still reaches the
 training side; another incarnation starts from nothing. A push the syncer found damaged on the
-way is sent again, one refused for any other reason is not."""
+way is sent again, one refused for any other reason is not, and one whose session ended is posted
+to the training side as lost."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ import dataclasses
 import pytest
 import torch
 
-from dilocod.learner.bridge import Bridge, Snapshot
+from dilocod.learner.bridge import Bridge, LostPush, Snapshot
 from dilocod.learner.layout import model_entries
 from dilocod.learner.link import PUSH_ATTEMPTS, Link, LinkConfig
 from dilocod.outer import plan_fragments
-from dilocod.transport.errors import TransferFailed
+from dilocod.transport.errors import SessionClosed, TransferFailed
 from dilocod.transport.session import FragmentReceived
 from dilocod.wire.errors import ErrorCode
 from dilocod.wire.manifest import fragment_manifest
@@ -75,7 +76,7 @@ def test_a_rejoin_names_what_it_holds_and_heals_only_the_rest() -> None:
 class _Session:
     """A session whose syncer answers each push with the next verdict (None: acknowledged)."""
 
-    def __init__(self, verdicts: list[TransferFailed | None]) -> None:
+    def __init__(self, verdicts: list[Exception | None]) -> None:
         self.verdicts = verdicts
         self.sent: list[PushHeader] = []
 
@@ -92,22 +93,27 @@ class _Session:
 
 DAMAGED = TransferFailed(ErrorCode.CHECKSUM_MISMATCH, "chunk 3: checksum of its raw bytes differs")
 REFUSED = TransferFailed(ErrorCode.STALE_VERSION, "base version 4 is too old")
+CUT = SessionClosed("control connection lost")
 
 
 @pytest.mark.parametrize(
-    ("verdicts", "sent", "pushed", "refused"),
+    ("verdicts", "sent", "pushed", "refused", "lost"),
     [
-        pytest.param([None], 1, 1, 0, id="acknowledged"),
-        pytest.param([DAMAGED, None], 2, 1, 0, id="damaged-once"),
-        pytest.param([DAMAGED] * PUSH_ATTEMPTS, PUSH_ATTEMPTS, 0, 1, id="damaged-every-time"),
-        pytest.param([REFUSED], 1, 0, 1, id="refused"),
+        pytest.param([None], 1, 1, 0, [], id="acknowledged"),
+        pytest.param([DAMAGED, None], 2, 1, 0, [], id="damaged-once"),
+        pytest.param([DAMAGED] * PUSH_ATTEMPTS, PUSH_ATTEMPTS, 0, 1, [], id="damaged-every-time"),
+        pytest.param([REFUSED], 1, 0, 1, [], id="refused"),
+        pytest.param([DAMAGED, CUT], 2, 0, 0, [LostPush(0, 3)], id="session-lost"),
     ],
 )
 def test_a_push_damaged_on_the_way_is_sent_again(
-    verdicts: list[TransferFailed | None], sent: int, pushed: int, refused: int
+    verdicts: list[Exception | None], sent: int, pushed: int, refused: int, lost: list[LostPush]
 ) -> None:
+    """And one whose session ends under it is posted to the training side as lost (its steps go
+    into the fragment's next push); a refused one is not (the syncer decided)."""
+
     async def scenario() -> None:
-        link, _bridge, plan = _link()
+        link, bridge, plan = _link()
         link._adopt_plan(plan, Join(plan.model))
         size = fragment_manifest(plan.fragments[0], {e.name: e.shape for e in plan.model})[1]
         snapshot = Snapshot(0, 3, 4, 2, 64, bytearray(size), bytearray(size))
@@ -117,6 +123,7 @@ def test_a_push_damaged_on_the_way_is_sent_again(
         assert {(h.fragment, h.round, h.base_version) for h in session.sent} == {(0, 3, 4)}
         assert (link.stats.pushes_sent, link.stats.pushes_refused) == (pushed, refused)
         assert link.stats.pushes_resent == sent - 1
+        assert bridge.take().lost == lost
         link._executor.shutdown()
 
     asyncio.run(scenario())

@@ -19,7 +19,7 @@ import structlog
 
 from dilocod.learner import netproc
 from dilocod.learner.arena import ALIGN, Arena, arena_size
-from dilocod.learner.bridge import Adopt, Snapshot, StepReportItem, newer_update
+from dilocod.learner.bridge import Adopt, LostPush, Snapshot, StepReportItem, newer_update
 from dilocod.learner.netproc import (
     MAX_DATAGRAM_BYTES,
     Channel,
@@ -236,6 +236,16 @@ def test_updates_cross_in_shared_memory_and_snapshots_come_back(pair: tuple[Proc
     child.call(child.bridge.snapshot_done, snapshot)
     _take_until(parent, lambda _: parent._lender.lent == 0)
     assert parent.snapshot_buffer(len(first)).obj is theta.obj
+
+
+def test_a_lost_push_crosses_to_the_training_side(pair: tuple[ProcessBridge, _Child]) -> None:
+    """The Link's word that a push never reached the syncer (Bridge.post_lost) reaches the
+    training process with the inbox, as it does the runtime of the thread bridge."""
+    parent, child = pair
+    child.call(child.bridge.post_lost, LostPush(2, 9))
+    inbox = _take_until(parent, lambda i: i.lost)
+    assert inbox.lost == [LostPush(2, 9)]
+    assert parent.take().lost == []
 
 
 def test_superseded_and_replaced_updates_are_given_back(pair: tuple[ProcessBridge, _Child]) -> None:

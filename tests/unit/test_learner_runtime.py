@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from dilocod.contract import StepResult, Trainer
-from dilocod.learner.bridge import Adopt, Bridge
+from dilocod.learner.bridge import Adopt, Bridge, LostPush
 from dilocod.learner.entry import EntryError, StepFailed
 from dilocod.learner.layout import PlanMismatch, model_entries
 from dilocod.learner.link import compute_push
@@ -343,6 +343,55 @@ def test_counters_restart_at_the_send_and_at_an_overwrite_per_fragment() -> None
     r.loop.boundary()
     (snap,), _ = r.bridge.drain()
     assert (snap.c_steps, snap.c_tokens) == (1, 15)
+
+
+def test_a_lost_push_is_counted_again_in_the_fragments_next_push() -> None:
+    """A push whose session ended under it (Bridge.post_lost): its steps are still in θ - anchor,
+    so the counters go back to before it, and the push made when the syncer asks again (a
+    rejoining learner is asked for the rounds still open) counts them."""
+    r = rig()
+    r.heal(versions=(3, 5))
+    r.loop.boundary()
+    for _ in range(3):
+        r.loop.one_step()  # tokens 10, 11, 12
+    r.bridge.post_request(FragmentRequest(0, 8, 3))
+    r.loop.boundary()
+    (first,), _ = r.bridge.drain()
+    assert (first.c_steps, first.c_tokens) == (3, 10 + 11 + 12)
+    for _ in range(2):
+        r.loop.one_step()  # tokens 13, 14
+    r.bridge.post_lost(LostPush(0, 8))
+    r.bridge.post_request(FragmentRequest(0, 8, 3))  # asked again
+    r.loop.boundary()
+    (again,), _ = r.bridge.drain()
+    # Mutation caught: a lost push changing nothing (the push would count 2 steps of 5).
+    assert (again.round, again.c_steps, again.c_tokens) == (8, 5, 10 + 11 + 12 + 13 + 14)
+    assert r.loop.progress.lost == 1 and r.loop.in_flight[0].round == 8
+
+
+def test_a_lost_push_is_not_counted_again_once_its_fragment_moved_on() -> None:
+    """Applied since (an overwrite restarts the counters), or pushed again since: the lost push's
+    steps are no longer what the counters lack."""
+    r = rig()
+    r.heal(versions=(3, 5))
+    r.loop.boundary()
+    r.loop.one_step()  # tokens 10
+    r.bridge.post_request(FragmentRequest(0, 8, 3))
+    r.loop.boundary()
+    r.bridge.drain()
+    r.update(0, 4, {n: torch.full(p.shape, 0.25) for n, p in r.job.model.named_parameters()})
+    r.loop.one_step()  # tokens 11
+    r.loop.boundary()  # round 8 merged without the push; overwritten
+    r.bridge.post_lost(LostPush(0, 8))  # the news of the lost push comes after
+    r.loop.one_step()  # tokens 12
+    r.bridge.post_request(FragmentRequest(0, 10, 4))
+    r.loop.boundary()
+    (snap,), _ = r.bridge.drain()
+    assert (snap.c_steps, snap.c_tokens) == (1, 12) and r.loop.progress.lost == 0
+    r.loop.one_step()  # tokens 13
+    r.bridge.post_lost(LostPush(0, 8))  # an older round than the push in flight now (10)
+    r.loop.boundary()
+    assert r.loop.counters(0) == (1, 13) and r.loop.in_flight[0].round == 10
 
 
 @pytest.mark.parametrize("apply", ["overwrite", "mix", "keep-local"])

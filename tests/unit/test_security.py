@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 import dilocod
 from dilocod.config import Address, ConfigError, parse_address, require_authentication, tls_paths
-from dilocod.learner.bridge import Adopt, Inbox
+from dilocod.learner.bridge import Adopt, Inbox, LostPush
 from dilocod.learner.control import Control, ControlError, UpdateNote, decode_control, encode_control
 from dilocod.learner.state import FORMAT, STATE_FILE, LocalStateError, load_local_state
 from dilocod.syncer import checkpoint
@@ -234,7 +234,7 @@ def _inbox() -> Inbox:
         Adopt(1, 1, bytearray(16), False, "inc-1"),
         Adopt(1, 2, bytearray(), False, ""),
     ]
-    return Inbox(plan, updates, [FragmentRequest(1, 9, 2)], "a fatal reason")
+    return Inbox(plan, updates, [FragmentRequest(1, 9, 2)], "a fatal reason", [LostPush(1, 7)])
 
 
 def test_island_control_round_trips_exactly_its_values() -> None:
@@ -243,7 +243,7 @@ def test_island_control_round_trips_exactly_its_values() -> None:
     notes = tuple(
         UpdateNote(u.fragment, u.version, u.heal, u.incarnation, len(u.buffer)) for u in inbox.updates
     )
-    assert control == Control(inbox.plan, notes, tuple(inbox.requests), inbox.fatal)
+    assert control == Control(inbox.plan, notes, tuple(inbox.requests), inbox.fatal, (LostPush(1, 7),))
     assert decode_control(encode_control(Inbox())) == Control(None, (), (), None)
 
 
@@ -255,6 +255,10 @@ def test_island_control_round_trips_exactly_its_values() -> None:
         b"\x90",  # an array, not a map
         bytes([0x84])
         + b"".join(bytes([0xA0 + len(k)]) + k + b"\xc0" for k in (b"plan", b"updates", b"x", b"fatal")),
+        bytes([0x84])  # the keys of a control from before lost pushes
+        + b"".join(
+            bytes([0xA0 + len(k)]) + k + b"\xc0" for k in (b"plan", b"updates", b"requests", b"fatal")
+        ),
     ],
 )
 def test_island_control_refuses_anything_else(payload: bytes) -> None:
@@ -280,6 +284,10 @@ def test_island_control_checks_every_value() -> None:
         ("requests", "not an array"),
         ("plan", b"\x81\xa1x\x01"),
         ("fatal", 3),
+        ("lost", [[1]]),
+        ("lost", [[True, 7]]),
+        ("lost", [[1, -7]]),
+        ("lost", "not an array"),
     ]:
         with pytest.raises(ControlError):
             decode_control(msgpack.packb({**good, key: value}, use_bin_type=True))

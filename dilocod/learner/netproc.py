@@ -9,9 +9,10 @@ training process's GIL, and every frame it parses can make a torch call of the s
 Two AF_UNIX SOCK_SEQPACKET socketpairs join the processes:
 - data: child to parent the inbox (plan, merged fragments, requests, lost pushes, a fatal
   error), parent to child the outbox (step reports, snapshots of requested fragments). The
-  training thread touches it only at step boundaries and never waits on it (except where the runtime waits anyway: the
-  first heal, tau = 0). The child reads it on a timer, near the boundaries it expects
-  (OUTBOX_POLL_S, POLL_AHEAD_S), so that the training thread's send never has to wake a sleeping
+  training thread touches it only at step boundaries and never waits on it (except where the
+  runtime waits anyway: the first heal, tau = 0). The child reads it on a timer, near the
+  boundaries it expects (OUTBOX_POLL_S, POLL_AHEAD_S), so that the training thread's send never
+  has to wake a sleeping
   process, and forwards what arrives in the first half of a step in one datagram at half-step
   (COALESCE_MIN_STEP_S): each datagram costs the training thread a read and a decode at its
   boundary.

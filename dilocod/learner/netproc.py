@@ -12,10 +12,9 @@ Two AF_UNIX SOCK_SEQPACKET socketpairs join the processes:
   training thread touches it only at step boundaries and never waits on it (except where the
   runtime waits anyway: the first heal, tau = 0). The child reads it on a timer, near the
   boundaries it expects (OUTBOX_POLL_S, POLL_AHEAD_S), so that the training thread's send never
-  has to wake a sleeping
-  process, and forwards what arrives in the first half of a step in one datagram at half-step
-  (COALESCE_MIN_STEP_S): each datagram costs the training thread a read and a decode at its
-  boundary.
+  has to wake a sleeping process, and forwards what arrives in the first half of a step in one
+  datagram at half-step (COALESCE_MIN_STEP_S): each datagram costs the training thread a read and
+  a decode at its boundary.
 - side: the child's link statistics once a second, read by a small thread of the parent for
   progress and STATUS lines and for the watchdog (a child whose loop stalls stops the pings).
 

@@ -60,6 +60,13 @@ def render_syncer_metrics(status: dict[str, Any]) -> str:
     )
     registry.counter("dilocod_received_bytes_total", "Outer-gradient bytes received.").inc(status["bytes_in"])
     registry.counter("dilocod_sent_bytes_total", "Update bytes sent.").inc(status["bytes_out"])
+    registry.counter(
+        "dilocod_chunks_asked_again_total", "Chunks of pushes that arrived damaged and were asked for again."
+    ).inc(status["chunks_asked_again"])
+    registry.counter(
+        "dilocod_fragments_held_at_join_total",
+        "Fragments a rejoining learner already held at their version: not sent again.",
+    ).inc(status["fragments_held_at_join"])
     rejected = registry.counter(
         "dilocod_rejected_pushes_total", "Pushes refused or screened out.", ("reason",)
     )

@@ -157,6 +157,10 @@ class SyncerService:
         self.peers: dict[str, _Peer] = {}
         self.bytes_in = 0
         self.bytes_out = 0
+        #: Damaged chunks of pushes asked for again (CHUNK_RESEND), by sessions that have ended;
+        #: and fragments not sent again to a learner back on this incarnation (JOIN's held).
+        self._chunks_asked_again_ended = 0
+        self.fragments_held_at_join = 0
         self.checkpoints_written = 0
         self.last_checkpoint: Path | None = None
         #: Checkpoints that failed since the last one written, and why the last one failed.
@@ -455,6 +459,7 @@ class SyncerService:
         # not sent again (_send_update skips what `sent` says it has), the rest are.
         held = held_current(join, plan)
         peer.sent.update({fragment: plan.versions[fragment] for fragment in held})
+        self.fragments_held_at_join += len(held)
         log.info(
             "learner joined",
             learner=learner,
@@ -471,6 +476,7 @@ class SyncerService:
                 while True:
                     self._on_message(peer, await session.recv())
         finally:
+            self._chunks_asked_again_ended += session.chunks_asked_again
             if self.peers.get(learner) is peer:
                 del self.peers[learner]
                 self._size_pool()
@@ -1036,6 +1042,11 @@ class SyncerService:
             "pool_buffers_freed": self.model.buffers.freed,
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
+            # A damaging path shows here: chunks of pushes that arrived damaged and were asked for
+            # again; and what rejoins did not need sent again (fragments held at their version).
+            "chunks_asked_again": self._chunks_asked_again_ended
+            + sum(peer.session.chunks_asked_again for peer in self.peers.values()),
+            "fragments_held_at_join": self.fragments_held_at_join,
             # How updates travel (bytes_out counts them at it).
             "update_precision": self.model.update_precision,
             "rejected_pushes": sum(rounds.rejected.values()),

@@ -11,6 +11,8 @@ import itertools
 from pathlib import Path
 from typing import Any
 
+from dilocod.config import Address
+from dilocod.ops.status import fetch_status
 from dilocod.transport.endpoints import connect
 from dilocod.transport.loop import run
 from dilocod.transport.session import FragmentReceived, Session
@@ -87,6 +89,10 @@ def test_a_rejoin_is_sent_only_the_fragments_it_does_not_hold(tmp_path: Path) ->
         fourth, _ = await _join(syncer.port, Join(model, "an-older-one", "the-learner", held))
         assert sorted(await _updates(fourth, FRAGMENTS)) == list(range(FRAGMENTS))
         await fourth.close("done")
+        # What rejoins did not need sent again, as an operator sees it (and /metrics counts it).
+        status = await fetch_status(Address("127.0.0.1", syncer.port), secret=None, timeout_s=DEADLINE_S)
+        assert status["fragments_held_at_join"] == FRAGMENTS + 1
+        assert status["chunks_asked_again"] == 0
 
     try:
         run(main())

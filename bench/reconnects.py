@@ -64,15 +64,16 @@ def row(report: ChaosReport, whole_model: int) -> dict[str, Any]:
     frames = report.frames
 
     def total(kind: str) -> int:
+        """Frames of this kind, "UP" (learner to syncer) or "DOWN" and the type, of both learners."""
         return sum(frames.get(f"{name} {kind}", 0) for name in LEARNERS)
 
-    requests = total("FRAGMENT_REQUEST")
+    requests = total("DOWN FRAGMENT_REQUEST")
     acked = report.pushes.get("acked", 0)
-    passes = total("NOTHING_TO_PUSH")
+    passes = total("UP NOTHING_TO_PUSH")
     heals = report.heals
     return {
         "requests": requests,
-        "push_headers": total("PUSH_HEADER"),
+        "push_headers": total("UP PUSH_HEADER"),
         "pushes_acked": acked,
         "pushes_refused": report.pushes.get("refused", 0),
         "nothing_to_push": passes,
@@ -91,6 +92,9 @@ def row(report: ChaosReport, whole_model: int) -> dict[str, Any]:
             else None
         ),
         "updates_acked": report.updates_acked,
+        # Damaged chunks asked for again: of pushes (by the syncer), of updates (by the learners).
+        "push_chunks_asked_again": total("DOWN CHUNK_RESEND"),
+        "update_chunks_asked_again": total("UP CHUNK_RESEND"),
         "updates_refused": report.updates_refused,
         "faults_injected": report.proxy_injected,
         "rounds_merged": report.rounds_merged,

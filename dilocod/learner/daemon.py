@@ -183,6 +183,9 @@ def _run(setup: LearnerSetup, device: torch.device, island: Island | None, notif
             "sent_bytes": stats.get("bytes_sent", 0),
             "received_bytes": stats.get("bytes_received", 0),
             "refused": stats.get("pushes_refused", 0),
+            # Pushes sent again after arriving damaged; sessions joined (the first included).
+            "resent": stats.get("pushes_resent", 0),
+            "joins": stats.get("joins", 0),
             "loop_lag_ms": stats.get("loop_lag_ms") or None,
         }
 

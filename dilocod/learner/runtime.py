@@ -688,6 +688,7 @@ class TrainingLoop:
             applied=self.progress.applied,
             pushed=self.progress.snapshots,
             nothing_to_push=self.progress.passes,
+            lost=self.progress.lost,
             in_flight=len(self.in_flight),
             **self.lateness.summary(),
             **(self.network_status() if self.network_status is not None else {}),

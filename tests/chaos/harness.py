@@ -692,7 +692,9 @@ class ChaosRun:
             learner["id"]: learner["goodput"] for learner in self.final_status.get("learners", [])
         }
         report.rounds_merged = sum(len(s.events("round merged")) for s in self.syncers)
-        report.frames = {f"{learner} {kind}": n for (learner, kind), n in sorted(proxy.frames.items())}
+        report.frames = {
+            f"{learner} {way.name} {kind}": n for (learner, way, kind), n in sorted(proxy.frames.items())
+        }
         for name in self.plan.learners:
             report.joins[name] = sum(len(d.events("joined")) for d in self.learners[name])
         report.heals = [
@@ -1039,7 +1041,7 @@ class ChaosReport:
     memory: dict[str, dict[str, float]] = field(default_factory=dict)
     goodput: dict[str, float] = field(default_factory=dict)
     rounds_merged: int = 0
-    #: Frames the proxy saw, per "learner FRAME_TYPE", both ways.
+    #: Frames the proxy saw, per "learner UP|DOWN FRAME_TYPE" (UP: learner to syncer).
     frames: dict[str, int] = field(default_factory=dict)
     #: Sessions that joined (got a PLAN), per learner, the first included.
     joins: dict[str, int] = field(default_factory=dict)

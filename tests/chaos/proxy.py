@@ -197,7 +197,7 @@ class _Half:
         self.frame = (frame_type, stream_id, length)
         self.pos = 0
         self.body = bytearray() if frame_type in DECODED and length <= LIMITS.max_control_body_bytes else None
-        self.pipe.proxy.frames[(self.pipe.learner.name, _frame_name(frame_type))] += 1
+        self.pipe.proxy.frames[(self.pipe.learner.name, self.way, _frame_name(frame_type))] += 1
         fault = self.pipe.learner.take_fault(self.way, frame_type, length, self.pipe.kind)
         if fault is None:
             fault = self.pipe.proxy.random_fault(self.way, frame_type, length)
@@ -416,8 +416,8 @@ class FaultProxy:
         self.injected: Counter[str] = Counter()
         self.bytes: Counter[Way] = Counter()
         self.answers: list[Answer] = []
-        #: Frames seen, per (learner, frame type name), both ways.
-        self.frames: Counter[tuple[str, str]] = Counter()
+        #: Frames seen, per (learner, direction, frame type name).
+        self.frames: Counter[tuple[str, Way, str]] = Counter()
         self._relay: RelayFaults | None = None
         self._relay_rng = random.Random(0)
         self._loop = asyncio.new_event_loop()

@@ -11,29 +11,21 @@ import asyncio
 import dataclasses
 
 import pytest
-import torch
 
 from dilocod.learner.bridge import Bridge, LostPush, Snapshot
-from dilocod.learner.layout import model_entries
-from dilocod.learner.link import PUSH_ATTEMPTS, Link, LinkConfig
-from dilocod.outer import plan_fragments
+from dilocod.learner.link import PUSH_ATTEMPTS, Link
 from dilocod.transport.errors import SessionClosed, TransferFailed
 from dilocod.transport.session import FragmentReceived
 from dilocod.wire.errors import ErrorCode
 from dilocod.wire.manifest import fragment_manifest
 from dilocod.wire.messages import Join, Plan, PushHeader, UpdateHeader
+from tests.unit.test_update_precision import new_link
 
 CHUNK = 1 << 20
 
 
 def _link() -> tuple[Link, Bridge, Plan]:
-    module = torch.nn.Sequential(torch.nn.Linear(8, 40), torch.nn.Linear(40, 7))
-    specs = model_entries(module)
-    plan = plan_fragments([(s.name, s.shape) for s in specs], 2)
-    message = Plan("inc-1", specs, tuple(f.pieces for f in plan.fragments), (4, 7), 4, 1, 1)
-    bridge = Bridge()
-    link = Link(LinkConfig("127.0.0.1", 7070, "learner-a", None, codec="none"), specs, bridge)
-    return link, bridge, message
+    return new_link("inc-1", (4, 7))
 
 
 def _receive(link: Link, plan: Plan, fragment: int, version: int) -> None:

@@ -167,10 +167,16 @@ def send_chunk(
     seq: int,
     codec: Codec,
     shuffle: int = 0,
+    *,
+    damaged: bool = False,
 ) -> None:
+    """Chunk seq of fragment on link; damaged: one byte of its payload flipped on the way."""
     start = seq * header.chunk_bytes
     raw = memoryview(fragment)[start : start + header.chunk_bytes]
     used, item_size, payload = codecs.compress(codec, raw, shuffle)
+    if damaged:
+        payload = bytearray(payload)
+        payload[len(payload) // 2] ^= 0x40
     chunk = ChunkHeader(seq, len(raw), used, item_size, codecs.checksum(raw))
     link.client.send_chunk(out.transfer_id, chunk, payload)
     out.record(seq, index, chunk.checksum)
@@ -321,27 +327,6 @@ def test_any_delivery_order_assembles_exactly_once(
 # ------------------------------------------------------------------------------ damaged chunks
 
 
-def send_damaged(
-    out: OutboundTransfer,
-    link: Link,
-    index: int,
-    header: PushHeader,
-    seq: int,
-    codec: Codec,
-    shuffle: int = 0,
-) -> None:
-    """Chunk seq as send_chunk makes it, with one byte of its payload flipped on the way."""
-    start = seq * header.chunk_bytes
-    raw = memoryview(FRAGMENT)[start : start + header.chunk_bytes]
-    used, item_size, payload = codecs.compress(codec, raw, shuffle)
-    damaged = bytearray(payload)
-    damaged[len(damaged) // 2] ^= 0x40
-    chunk = ChunkHeader(seq, len(raw), used, item_size, codecs.checksum(raw))
-    link.client.send_chunk(out.transfer_id, chunk, damaged)
-    out.record(seq, index, chunk.checksum)
-    link.capture()
-
-
 @pytest.mark.parametrize("codec", [Codec.NONE, Codec.LZ4, Codec.ZSTD], ids=lambda c: c.name)
 def test_a_damaged_chunk_is_asked_for_again_and_the_transfer_completes(
     connect: Connect, codec: Codec
@@ -357,7 +342,7 @@ def test_a_damaged_chunk_is_asked_for_again_and_the_transfer_completes(
     out = OutboundTransfer(TID, header.chunks)
     for seq in range(header.chunks):
         if seq == 3:
-            send_damaged(out, session.data[1], 1, header, seq, codec)
+            send_chunk(out, session.data[1], 1, header, FRAGMENT, seq, codec, damaged=True)
         else:
             send_chunk(out, session.data[seq % 2], seq % 2, header, FRAGMENT, seq, codec)
     session.control.client.send(out.end(), TID)
@@ -413,7 +398,9 @@ def test_damaged_copies_in_any_order_assemble_exactly_once(
     for seq in range(header.chunks):
         index = rng.randrange(n_data)
         if seq in damaged:
-            send_damaged(out, session.data[index], index, header, seq, *codec_choice[seq])
+            send_chunk(
+                out, session.data[index], index, header, FRAGMENT, seq, *codec_choice[seq], damaged=True
+            )
         else:
             send_chunk(out, session.data[index], index, header, FRAGMENT, seq, *codec_choice[seq])
     session.control.client.send(out.end(), TID)

@@ -154,14 +154,21 @@ def test_a_learner_accepts_the_plan_layout_at_fp32_or_bf16_only() -> None:
             update_precision(3, layout, manifest, size)
 
 
-def _link() -> tuple[Link, Bridge, Plan]:
+def new_link(incarnation: str = "inc", versions: tuple[int, int] = (0, 0)) -> tuple[Link, Bridge, Plan]:
+    """A Link over a real Bridge (no session), and a plan of two fragments of a small model that it
+    has not adopted yet."""
     module = torch.nn.Sequential(torch.nn.Linear(8, 40), torch.nn.Linear(40, 7))
     specs = model_entries(module)
     plan = plan_fragments([(s.name, s.shape) for s in specs], 2)
-    message = Plan("inc", specs, tuple(f.pieces for f in plan.fragments), (0, 0), 4, 1, 1)
+    message = Plan(incarnation, specs, tuple(f.pieces for f in plan.fragments), versions, 4, 1, 1)
     bridge = Bridge()
     link = Link(LinkConfig("127.0.0.1", 7070, "learner-a", None, codec="none"), specs, bridge)
-    link._adopt_plan(message, Join(specs))
+    return link, bridge, message
+
+
+def _link() -> tuple[Link, Bridge, Plan]:
+    link, bridge, message = new_link()
+    link._adopt_plan(message, Join(message.model))
     bridge.take()  # the plan
     return link, bridge, message
 

@@ -692,9 +692,9 @@ class ChaosRun:
             learner["id"]: learner["goodput"] for learner in self.final_status.get("learners", [])
         }
         report.rounds_merged = sum(len(s.events("round merged")) for s in self.syncers)
-        report.frames = {
-            f"{learner} {way.name} {kind}": n for (learner, way, kind), n in sorted(proxy.frames.items())
-        }
+        report.frames = dict(
+            sorted((f"{learner} {way.name} {kind}", n) for (learner, way, kind), n in proxy.frames.items())
+        )
         for name in self.plan.learners:
             report.joins[name] = sum(len(d.events("joined")) for d in self.learners[name])
         report.heals = [

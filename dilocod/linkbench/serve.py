@@ -14,6 +14,7 @@ receiver's CPU share over any interval it measured.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -31,6 +32,7 @@ from dilocod.config import Address
 from dilocod.linkbench.gloo import interface_for
 from dilocod.linkbench.raw import serve_raw
 from dilocod.transport.endpoints import Server
+from dilocod.transport.errors import TransferFailed
 from dilocod.transport.options import TransportOptions
 from dilocod.transport.session import FragmentReceived, Session
 from dilocod.wire.messages import PushHeader, StatusRequest, StatusResponse, UpdateHeader
@@ -107,7 +109,10 @@ async def serve(
                         fragment=header.fragment,
                         version=1,
                     )
-                    await session.send_fragment(update, item.buffer)
+                    # A client that resets the echo (or asks for it past the allowance) fails that
+                    # transfer only: its session goes on.
+                    with contextlib.suppress(TransferFailed):
+                        await session.send_fragment(update, item.buffer)
                 pool.release(item.buffer)
             elif isinstance(item, StatusRequest):
                 await session.send(StatusResponse({**process_status(), "raw_port": actual_raw_port}))

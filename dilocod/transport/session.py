@@ -49,6 +49,7 @@ from dilocod.wire.stream import (
     InboundStreams,
     OutboundTransfer,
     StreamHeader,
+    resend_allowance,
 )
 
 CONTROL_INDEX = -1
@@ -86,6 +87,8 @@ class _Send:
     out: OutboundTransfer
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     resend: list[int] = field(default_factory=list)
+    #: Chunks the receiver asked for again (CHUNK_RESEND), against its allowance.
+    asked_again: int = 0
     acked: bool = False
     error: BaseException | None = None
 
@@ -404,6 +407,20 @@ class Session:
                 f"CHUNK_RESEND for chunk {seq} of a {send.header.chunks}-chunk transfer {transfer_id}",
             )
             return
+        if send.asked_again >= resend_allowance(send.header.chunks):
+            # More than a receiver may ask (SPEC §5.12): a peer that asks on and on would have this
+            # end send a transfer many times over. The transfer fails; the session goes on.
+            if send.error is None:
+                send.error = TransferFailed(
+                    ErrorCode.LIMIT_EXCEEDED,
+                    f"the receiver asked for more than {send.asked_again} chunks again",
+                )
+                self.control.send(
+                    StreamReset(ErrorCode.LIMIT_EXCEEDED, "too many chunks asked for again"), transfer_id
+                )
+            send.wake.set()
+            return
+        send.asked_again += 1
         send.resend.append(seq)
         send.wake.set()
 

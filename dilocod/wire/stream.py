@@ -45,6 +45,12 @@ MIN_CHUNK_RESENDS = 8
 DAMAGED_CHUNK_CODES = frozenset({ErrorCode.CHECKSUM_MISMATCH, ErrorCode.LENGTH_MISMATCH})
 
 
+def resend_allowance(chunks: int) -> int:
+    """How many chunks of a transfer of `chunks` chunks a receiver asks for again, and a sender
+    sends again, at most (SPEC §5.12)."""
+    return max(MIN_CHUNK_RESENDS, chunks)
+
+
 @dataclass(frozen=True, slots=True)
 class FragmentAssembled:
     """Every chunk arrived and verified, and the end digest matches."""
@@ -200,7 +206,7 @@ class InboundStreams:
         inbound = self._transfers.get(transfer_id)
         if inbound is None or chunk.seq >= len(inbound.state) or inbound.state[chunk.seq] == _DONE:
             return False
-        if inbound.resends >= max(MIN_CHUNK_RESENDS, inbound.header.chunks):
+        if inbound.resends >= resend_allowance(inbound.header.chunks):
             return False
         inbound.resends += 1
         inbound.state[chunk.seq] = _PENDING

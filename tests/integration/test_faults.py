@@ -19,6 +19,7 @@ import msgpack
 import pytest
 import zstandard
 
+from dilocod.linkbench.serve import ECHO_ROUND
 from dilocod.transport import endpoints
 from dilocod.transport.credentials import client_context, server_context
 from dilocod.transport.endpoints import connect
@@ -30,7 +31,7 @@ from dilocod.transport.session import Session
 from dilocod.wire import codecs
 from dilocod.wire.connection import PROTOCOL_MAX_VERSION
 from dilocod.wire.errors import ErrorCode
-from dilocod.wire.events import MessageReceived
+from dilocod.wire.events import ChunkReceived, MessageReceived
 from dilocod.wire.frames import (
     CHUNK_HEADER_BYTES,
     FRAME_VERSION,
@@ -54,6 +55,7 @@ from dilocod.wire.messages import (
     StatusResponse,
     StepReport,
     StreamReset,
+    UpdateHeader,
     encode_body,
 )
 from dilocod.wire.stream import MIN_CHUNK_RESENDS
@@ -549,10 +551,12 @@ def _push(
     chunks: list[tuple[ChunkHeader, bytes | memoryview]],
     *,
     digest: int | None = None,
+    echo: bool = False,
 ) -> None:
     """Push a fragment by hand: header, the given chunks, end marker (with their digest unless
-    told otherwise). round 0: the bench server keeps it rather than echoing it."""
-    client.conn.send(fragment.push_header("zstd", round_=0), transfer_id)
+    told otherwise). round 0: the bench server keeps it rather than echoing it (echo: it sends
+    it back as an update)."""
+    client.conn.send(fragment.push_header("zstd", round_=ECHO_ROUND if echo else 0), transfer_id)
     for chunk, payload in chunks:
         client.conn.send_chunk(transfer_id, chunk, payload)
     if digest is None:
@@ -669,6 +673,39 @@ def test_a_damaged_chunk_is_asked_for_again_from_a_peer_that_resends(
             ErrorCode.CHECKSUM_MISMATCH,
             ErrorCode.LENGTH_MISMATCH,
         ), verdict
+    _serves(bad_chunk_server, fragments)
+
+
+def test_a_peer_that_asks_for_chunks_again_and_again_has_the_transfer_reset(
+    bad_chunk_server: BenchServer, fragments: Fragments
+) -> None:
+    """The sender's side of SPEC §5.12: a receiver may not have a transfer sent over and over. The
+    server echoes a push as an update; asked for its one chunk again past the allowance (8), it
+    resets that update with LIMIT_EXCEEDED, and the session goes on."""
+    fragment = fragments.get(CHUNK_BYTES)
+    with CoreClient(bad_chunk_server.port, capabilities=(CHUNK_RESEND_CAPABILITY,)) as client:
+        _push(client, 1, fragment, [_good_chunk(fragment)], echo=True)
+        assert _verdict(client, 1) == FragmentAck()
+        header = client.wait_for(
+            lambda e: isinstance(e, MessageReceived) and isinstance(e.message, UpdateHeader)
+        )
+        assert isinstance(header, MessageReceived)
+        update_id = header.stream_id
+        for _ in range(MIN_CHUNK_RESENDS + 1):
+            client.wait_for(lambda e: isinstance(e, ChunkReceived) and e.transfer_id == update_id)
+            client.conn.send(ChunkResend(0), update_id)
+            client.flush()
+        reset = client.wait_for(
+            lambda e: (
+                isinstance(e, MessageReceived)
+                and e.stream_id == update_id
+                and isinstance(e.message, StreamReset)
+            )
+        )
+        assert isinstance(reset, MessageReceived) and isinstance(reset.message, StreamReset)
+        assert reset.message.code == ErrorCode.LIMIT_EXCEEDED
+        _push(client, 3, fragment, [_good_chunk(fragment)])
+        assert _verdict(client, 3) == FragmentAck()
     _serves(bad_chunk_server, fragments)
 
 

@@ -3,10 +3,13 @@
 Owns fragment transfers in both directions. Sending: the header goes on the control connection,
 chunks are compressed on a thread pool (in order, a few ahead) and written to the least-loaded data
 connection, then FRAGMENT_END; the send completes when the receiver acknowledges, and a lost data
-connection's chunks are resent on the survivors meanwhile. Receiving: chunks land in the
-destination buffer (straight from the socket when uncompressed), are verified or decompressed off
-the loop, and a whole verified fragment is acknowledged and queued for recv(). Transfer ids are
-odd when the client sends and even when the server does, so a STREAM_RESET is never ambiguous.
+connection's chunks are resent on the survivors meanwhile, as are the chunks the receiver asks for
+again (CHUNK_RESEND, up to its allowance). Receiving: chunks land in the destination buffer
+(straight from the socket when uncompressed), are verified or decompressed off the loop, and a
+whole verified fragment is acknowledged and queued for recv(); a chunk that arrives damaged is
+asked for again where the peer listed the chunk-resend capability (protocol/SPEC.md §5.12), else
+its transfer is reset. Transfer ids are odd when the client sends and even when the server does,
+so a STREAM_RESET is never ambiguous.
 """
 
 from __future__ import annotations
@@ -415,9 +418,10 @@ class Session:
                     ErrorCode.LIMIT_EXCEEDED,
                     f"the receiver asked for more than {send.asked_again} chunks again",
                 )
-                self.control.send(
-                    StreamReset(ErrorCode.LIMIT_EXCEEDED, "too many chunks asked for again"), transfer_id
-                )
+                if self.control.is_open:
+                    self.control.reply(
+                        StreamReset(ErrorCode.LIMIT_EXCEEDED, "too many chunks asked for again"), transfer_id
+                    )
             send.wake.set()
             return
         send.asked_again += 1

@@ -647,7 +647,8 @@ class Link:
                 break
             except TransferFailed as exc:
                 if exc.damaged and attempt < PUSH_ATTEMPTS:
-                    # Damaged on the way: the syncer admits this round's push again (SPEC §4.4).
+                    # Damaged on the way: a failed push is not a second one, the syncer admits
+                    # it again (SPEC §4.4).
                     self.stats.pushes_resent += 1
                     log.info(
                         "push damaged in transit: sending again",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dilocod.wire.errors import ErrorCode
+from dilocod.wire.stream import DAMAGED_CHUNK_CODES
 
 
 class SessionClosed(ConnectionError):
@@ -25,11 +26,9 @@ class HandshakeFailed(ConnectionError):
         self.message = message
 
 
-#: Codes a receiver resets a transfer with when its bytes arrived damaged (a chunk's checksum, its
-#: decoded length, the end digest): the same bytes sent again may well arrive whole.
-DAMAGED_IN_TRANSIT = frozenset(
-    {ErrorCode.CHECKSUM_MISMATCH, ErrorCode.LENGTH_MISMATCH, ErrorCode.DIGEST_MISMATCH}
-)
+#: Codes a receiver resets a transfer with when its bytes arrived damaged (a chunk's, or the end
+#: digest): the same bytes sent again may well arrive whole.
+DAMAGED_IN_TRANSIT = DAMAGED_CHUNK_CODES | {ErrorCode.DIGEST_MISMATCH}
 
 
 class TransferFailed(ConnectionError):

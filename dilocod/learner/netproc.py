@@ -717,7 +717,10 @@ class ChildBridge(Bridge):
         self.pool = BufferPool(self._shared_buffer)
         #: id(θ view) -> (the parent's buffer id, the view) for the snapshots the Link holds.
         self._thetas: dict[int, tuple[int, memoryview]] = {}
-        self._forward_handle: asyncio.TimerHandle | None = None
+        #: The forward scheduled, and for when (by the loop's clock): uvloop gives a call due now a
+        #: plain Handle, which does not say when it is due.
+        self._forward_handle: asyncio.Handle | None = None
+        self._forward_at = 0.0
         #: When the training side's last boundary was seen (its outbox), by the loop's clock, and
         #: its recent step times: what tells the child how long a message may wait to be forwarded.
         self._boundary_at: float | None = None
@@ -804,10 +807,10 @@ class ChildBridge(Bridge):
             return
         at = self._loop.time() + (0.0 if urgent else self._hold_s())
         if self._forward_handle is not None:
-            if self._forward_handle.when() <= at:
+            if self._forward_at <= at:
                 return
             self._forward_handle.cancel()
-        self._forward_handle = self._loop.call_at(at, self._forward)
+        self._forward_handle, self._forward_at = self._loop.call_at(at, self._forward), at
 
     def _last_step(self) -> tuple[float, float] | None:
         """When the training side's last boundary was seen and the shortest of its recent steps:

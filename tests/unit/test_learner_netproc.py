@@ -240,12 +240,41 @@ def test_updates_cross_in_shared_memory_and_snapshots_come_back(pair: tuple[Proc
 
 def test_a_lost_push_crosses_to_the_training_side(pair: tuple[ProcessBridge, _Child]) -> None:
     """The Link's word that a push never reached the syncer (Bridge.post_lost) reaches the
-    training process with the inbox, as it does the runtime of the thread bridge."""
+    training process with the inbox, as it does the runtime of the thread bridge. Several in one
+    turn of the loop (a session's pushes all fail as it closes) are forwarded together."""
     parent, child = pair
-    child.call(child.bridge.post_lost, LostPush(2, 9))
-    inbox = _take_until(parent, lambda i: i.lost)
-    assert inbox.lost == [LostPush(2, 9)]
+
+    def post_three() -> None:
+        for round_ in (9, 10, 11):
+            child.bridge.post_lost(LostPush(2, round_))
+
+    child.call(post_three)
+    inbox = _take_until(parent, lambda i: len(i.lost) == 3)
+    assert inbox.lost == [LostPush(2, 9), LostPush(2, 10), LostPush(2, 11)]
     assert parent.take().lost == []
+
+
+def test_posts_due_at_once_in_one_turn_of_a_uvloop_loop() -> None:
+    """uvloop gives a call due now a plain Handle, which has no when(): a second post in the same
+    turn must not ask it (three pushes failing as their session closed once raised here)."""
+    uvloop = pytest.importorskip("uvloop")
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    bridge = ChildBridge(Channel(mine, SentCounts(), SentCounts.CHILD))
+    loop = uvloop.new_event_loop()
+
+    async def post_in_one_turn() -> None:
+        bridge.start(asyncio.get_running_loop(), [])
+        bridge.post_fatal("gone")  # urgent: due now
+        bridge.post_lost(LostPush(0, 1))
+        bridge.post_lost(LostPush(0, 2))
+
+    try:
+        # Mutation caught: asking the Handle for when() (AttributeError).
+        loop.run_until_complete(post_in_one_turn())
+    finally:
+        loop.close()
+        mine.close()
+        theirs.close()
 
 
 def test_superseded_and_replaced_updates_are_given_back(pair: tuple[ProcessBridge, _Child]) -> None:

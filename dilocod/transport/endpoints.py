@@ -76,8 +76,7 @@ async def _dial(
             if conn.state is State.CLOSED or proto.closed.done():
                 # Reset between the TCP connect and HELLO (a refusing middlebox, a syncer going
                 # down): a connection that failed, for the caller to retry, not our protocol bug.
-                if proto.transport is not None:
-                    proto.transport.close()
+                proto.close()
                 raise ConnectionError(f"{host}:{port} closed the connection before the handshake")
             conn.start(kind=kind, role=role, session=session)
             proto.flush()

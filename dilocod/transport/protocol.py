@@ -63,6 +63,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         # ends, its size), and their total (reply()).
         self._replies: deque[tuple[int, int]] = deque()
         self._reply_bytes = 0
+        self._ending = False  # _close_after_flush has run
 
     # --------------------------------------------------------------- asyncio side
 
@@ -180,8 +181,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
 
     def flush(self) -> None:
         data = self.conn.data_to_send()
-        if data and self.transport is not None and not self.transport.is_closing():
-            self.transport.writelines(data)
+        if data and not self.ending:
+            self.transport.writelines(data)  # type: ignore[union-attr]  # ending covers None
 
     async def drain(self) -> None:
         """Wait until the transport's write buffer is below its low-water mark."""
@@ -236,13 +237,42 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.error = exc
         self._close_after_flush()
 
+    def close(self) -> None:
+        """End a connection that has no last frame to deliver (one that never opened): at once."""
+        self.conn.state = State.CLOSED
+        if not self.ending:
+            self._ending = True
+            self.transport.close()  # type: ignore[union-attr]  # ending covers None
+            self._loop.call_later(CLOSE_GRACE_S, self.transport.abort)  # type: ignore[union-attr]
+
+    @property
+    def ending(self) -> bool:
+        """Our side has begun to close (half-closed or closed): nothing more is written."""
+        return self._ending or self.transport is None or self.transport.is_closing()
+
     def _close_after_flush(self) -> None:
+        """Our last frame (GOODBYE or ERROR), if any, is queued: send it, then close without a reset.
+
+        A socket closed with unread bytes in its receive queue sends RST, and the kernel drops
+        what it had not yet sent, our last frame included; a peer that writes after the RST
+        arrived fails on the write before it has read that frame. So where TCP allows it we only
+        half-close (FIN after the last frame) and go on reading, into the core's scratch buffer,
+        until the peer closes its side on reading our frame (eof_received then closes the
+        transport). TLS cannot half-close; it closes at once. Either way a peer that neither
+        reads nor closes is aborted after CLOSE_GRACE_S."""
         self.flush()
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.close()
-            # close() waits for the write buffer to drain; a peer that stops reading must not
-            # hold the connection open past the grace period.
-            self._loop.call_later(CLOSE_GRACE_S, self.transport.abort)
+        if self.ending:
+            return
+        self._ending = True
+        transport = self.transport
+        assert transport is not None
+        if transport.can_write_eof():
+            transport.write_eof()
+            if not transport.is_reading():
+                transport.resume_reading()  # held for a session, or paused for flow control
+        else:
+            transport.close()
+        self._loop.call_later(CLOSE_GRACE_S, transport.abort)
 
     def _arm_timer(self) -> None:
         period = min(self.options.stall_timeout_s, self.options.handshake_timeout_s) / 4

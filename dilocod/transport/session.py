@@ -637,11 +637,10 @@ class Session:
         for opened in self._inbound.reset_all():
             self._inbound_failed(opened)
         for proto in [*self.data, self.control]:
-            if proto.transport is not None and not proto.transport.is_closing():
-                if proto.is_open:
-                    proto.go_away(reason)
-                else:
-                    proto.transport.close()
+            if proto.is_open:
+                proto.go_away(reason)
+            else:
+                proto.close()
         if self._owns_executor:
             self._executor.shutdown(wait=False, cancel_futures=True)
 

@@ -68,6 +68,8 @@ PROTOCOL_MAX_VERSION = 2
 Buffer = bytes | bytearray | memoryview
 #: ERROR messages and GOODBYE reasons are capped at this many UTF-8 bytes (messages.py checks it).
 MAX_REASON_BYTES = 1024
+#: What a closed connection still reads (until the peer closes too) lands here and is dropped.
+SCRATCH_BYTES = 64 * 1024
 #: (transfer id, chunk header, payload length) -> where the payload should land, or None for a
 #: fresh buffer. Raises RemoteProtocolError for chunks the receiver does not expect.
 ChunkSink = Callable[[int, ChunkHeader, int], memoryview | None]
@@ -143,6 +145,7 @@ class Connection:
         self._frame: FrameHeader | None = None
         self._chunk: ChunkHeader | None = None
         self._in_place = False
+        self._scratch: memoryview | None = None
 
     # ------------------------------------------------------------------ sending
 
@@ -243,7 +246,13 @@ class Connection:
         return None
 
     def get_buffer(self) -> memoryview:
-        """Where the next received bytes should go (never empty while the connection is open)."""
+        """Where the next received bytes should go (never empty). Once closed, a scratch buffer:
+        what a closing connection still reads is dropped there, never into a chunk's destination,
+        which may already belong to someone else."""
+        if self.state is State.CLOSED:
+            if self._scratch is None:
+                self._scratch = memoryview(bytearray(SCRATCH_BYTES))
+            return self._scratch
         return self._target[self._filled :]
 
     def buffer_updated(self, nbytes: int) -> list[Event]:

@@ -10,6 +10,7 @@ serving good clients, which every bad-input test checks with a whole fragment ro
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
 import ssl
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from dilocod.transport.options import TransportOptions
 from dilocod.transport.protocol import FrameProtocol
 from dilocod.transport.session import Session
 from dilocod.wire import codecs
-from dilocod.wire.connection import PROTOCOL_MAX_VERSION
+from dilocod.wire.connection import PROTOCOL_MAX_VERSION, Connection, Role
 from dilocod.wire.errors import ErrorCode
 from dilocod.wire.events import ChunkReceived, MessageReceived
 from dilocod.wire.frames import (
@@ -50,6 +51,7 @@ from dilocod.wire.messages import (
     ChunkResend,
     FragmentAck,
     FragmentEnd,
+    Goodbye,
     Hello,
     StatusRequest,
     StatusResponse,
@@ -197,6 +199,47 @@ def test_a_session_is_closed_once_its_control_connection_closes(arun: Arun) -> N
                     await session.closed.wait()
             finally:
                 await session.close("done")
+
+    arun(main())
+
+
+def _peer_ended(sock: socket.socket, timeout_s: float) -> bool:
+    """Wait (in a thread) until the other side has ended its half: a FIN or a reset."""
+    poller = select.poll()
+    poller.register(sock, select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+    return bool(poller.poll(int(timeout_s * 1000)))
+
+
+def test_a_goodbye_said_over_unread_input_reaches_a_peer_that_writes_on(arun: Arun) -> None:
+    """A side that says GOODBYE while the peer's bytes wait unread must not close with a reset:
+    the kernel would drop the GOODBYE if still queued, and a peer that writes on (a learner
+    mid-push) fails on the write before it reads the GOODBYE. Found by CI: a learner reported
+    "connection reset by peer" where the syncer had said "syncer shutting down". The side
+    half-closes, drops what it still reads, and closes on the peer's FIN."""
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            conn = Connection(Role.SERVER, secret=None)
+            _, proto = await loop.create_connection(
+                lambda: FrameProtocol(conn, SMALL_BUFFERS), *listener.getsockname()
+            )
+            assert proto.transport is not None
+            proto.transport.pause_reading()  # what the peer sends now waits unread
+            peer, _ = listener.accept()
+            with peer:
+                peer.sendall(bytes(16 * 1024))
+                proto.go_away("test: going away")
+                assert await loop.run_in_executor(None, _peer_ended, peer, REPLY_TIMEOUT_S)
+                peer.sendall(b"more, from a peer still pushing")  # ConnectionResetError after a reset
+                reply = read_until_closed(peer)
+                assert reply.closed and not reply.reset, reply
+                assert [(f.frame_type, f.message) for f in reply.frames] == [
+                    (FrameType.GOODBYE, Goodbye("test: going away"))
+                ]
+            async with asyncio.timeout(REPLY_TIMEOUT_S):
+                await proto.closed
+            assert proto.error is None
 
     arun(main())
 

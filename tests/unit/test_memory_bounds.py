@@ -108,13 +108,15 @@ def test_admit_refuses_before_welcome(shuttle: Shuttle) -> None:
 
 
 class _Transport(asyncio.Transport):
-    """Records what is written; holds it as unsent until drain() (a peer that reads)."""
+    """Records what is written; holds it as unsent until drain() (a peer that reads). A half-close
+    (write_eof) is answered as a peer answers it, by closing: the connection is lost a turn later."""
 
     def __init__(self) -> None:
         super().__init__()
         self.written = bytearray()
         self.unsent = 0
         self.closing = False
+        self.eof = False
         self.reading = True
         self.protocol: FrameProtocol | None = None
 
@@ -141,8 +143,24 @@ class _Transport(asyncio.Transport):
     def is_closing(self) -> bool:
         return self.closing
 
+    @property
+    def ended(self) -> bool:
+        """Our side is done sending: closed, or half-closed."""
+        return self.closing or self.eof
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        if not self.ended and self.protocol is not None:
+            asyncio.get_running_loop().call_soon(self.protocol.connection_lost, None)
+        self.eof = True
+
+    def is_reading(self) -> bool:
+        return self.reading
+
     def close(self) -> None:
-        if not self.closing and self.protocol is not None:
+        if not self.ended and self.protocol is not None:
             asyncio.get_running_loop().call_soon(self.protocol.connection_lost, None)
         self.closing = True
 
@@ -159,7 +177,7 @@ class _Transport(asyncio.Transport):
 def _feed(proto: FrameProtocol, data: bytes) -> None:
     """What the event loop does for a BufferedProtocol: copy into get_buffer(), report the count."""
     view = memoryview(data)
-    while view and not proto.closed.done() and not proto.transport.is_closing():  # type: ignore[union-attr]
+    while view and not proto.closed.done() and not proto.ending:
         target = proto.get_buffer(-1)
         n = min(len(target), len(view))
         target[:n] = view[:n]
@@ -202,7 +220,7 @@ def test_pings_whose_pongs_are_unread_are_cut_off() -> None:
         options = TransportOptions()
         client, proto, transport, _ = _open(options)
         _feed(proto, b"".join(_ping(client, i) for i in range(20_000)))
-        assert proto.conn.state is State.CLOSED and transport.closing
+        assert proto.conn.state is State.CLOSED and transport.ended
         assert len(transport.written) < options.max_reply_backlog_bytes + 4096
         *pongs, error = _frames(bytes(transport.written))
         assert all(isinstance(e, MessageReceived) and isinstance(e.message, Pong) for e in pongs)
@@ -290,7 +308,7 @@ def test_refused_pushes_whose_resets_are_unread_are_cut_off() -> None:
             for transfer_id in range(1, 2 * 20_000, 2):
                 client.send(header, transfer_id)
             _feed(proto, b"".join(bytes(b) for b in client.data_to_send()))
-            assert proto.conn.state is State.CLOSED and transport.closing
+            assert proto.conn.state is State.CLOSED and transport.ended
             assert len(transport.written) < options.max_reply_backlog_bytes + 4096
             *resets, error = _frames(bytes(transport.written))
             assert resets

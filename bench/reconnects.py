@@ -14,7 +14,8 @@ daemons' logs): the requests the syncer sent, the pushes the learners started, t
 syncer acknowledged (whole and verified) and the NOTHING_TO_PUSH answers; "through" is acknowledged
 pushes plus NOTHING_TO_PUSH over requests. Then the sessions each learner joined, and what the
 syncer sent each session before it joined (its "learner healed" lines): bytes against the model's,
-so a rejoin that re-sends the whole model shows as 1.0.
+so a rejoin that re-sends the whole model shows as 1.0, and the chunks of updates cut short that a
+rejoin did not need sent again (the syncer's chunks_resumed).
 
 Target (issue 23): with 0.5 % of frames cut and 5 % of chunks corrupted, >= 80 % of pushes get
 through, and a rejoin to the same syncer sends only the fragments that moved.
@@ -96,6 +97,8 @@ def row(report: ChaosReport, whole_model: int) -> dict[str, Any]:
         "push_chunks_asked_again": total("DOWN CHUNK_RESEND"),
         "update_chunks_asked_again": total("UP CHUNK_RESEND"),
         "updates_refused": report.updates_refused,
+        # Chunks of updates a lost session cut short that the rejoining learner held: not sent again.
+        "update_chunks_resumed": report.status.get("chunks_resumed"),
         "faults_injected": report.proxy_injected,
         "rounds_merged": report.rounds_merged,
         "crashes": report.crashes,

@@ -16,6 +16,12 @@ An update whose manifest is not the plan's layout at fp32 or bf16 is refused and
 reconnect can fix (the syncer's model is not ours, wrong credentials, no common protocol version,
 another live learner under our id) are posted to the training thread as fatal.
 
+An update a lost session cut short is kept with the chunks it holds (a _Partial, at most one per
+fragment) once the old session's decodes are done with its buffer, and named in the next JOIN
+(JOIN.partial): the same syncer incarnation sends that version again without those chunks
+(UpdateHeader.skip), into the same buffer. A partial whose version the plan has moved past, or of
+another incarnation, is let go.
+
 --streams auto and --codec auto: the advice `dilocod bench` saved for this syncer when there is
 some (LinkConfig.advice); otherwise the stream count is chosen for every session from the RTT the
 kernel measured on its control connection (enough streams for AUTO_RATE_GBPS), and the codec by a
@@ -31,6 +37,7 @@ import contextlib
 import random
 import secrets
 import ssl
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -70,13 +77,15 @@ from dilocod.wire.messages import (
     FragmentRequest,
     Join,
     NothingToPush,
+    PartialUpdate,
     Plan,
     PushHeader,
     StepReport,
     UpdateHeader,
+    chunk_bitmap,
     held_current,
 )
-from dilocod.wire.stream import StreamHeader
+from dilocod.wire.stream import CutShort, Resumed, StreamHeader
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -138,6 +147,18 @@ class LinkConfig:
     #: This learner's instance id (JOIN's instance), kept in its state directory across restarts;
     #: "" draws one for this process (a learner without a state directory).
     instance: str = ""
+
+
+@dataclass(slots=True)
+class _Partial:
+    """An update a lost session cut short: its header, its buffer (the bridge's), and the chunks
+    it holds with their checksums. `session` is the one that received it until that session's
+    decodes are over (Link._settle_partials); None once nothing else writes into the buffer."""
+
+    header: UpdateHeader
+    buffer: memoryview
+    held: dict[int, int]
+    session: Session | None
 
 
 @dataclass(slots=True)
@@ -222,6 +243,9 @@ class Link:
         #: it applies or holds: Bridge.post_plan keeps updates of the same incarnation). A JOIN
         #: back to that incarnation names them, and the syncer sends only the fragments that moved.
         self._held: dict[int, int] = {}
+        #: Updates of self.incarnation a lost session cut short, by fragment (see the module
+        #: docstring); offered in a JOIN only once settled.
+        self._partials: dict[int, _Partial] = {}
         #: Error-feedback residuals of the lossy precisions, per fragment (push worker only).
         self._residuals: dict[int, list[Tensor]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -309,6 +333,7 @@ class Link:
             for task in [*self._pushes, *self._decodes]:
                 task.cancel()
             self._executor.shutdown(wait=False, cancel_futures=True)
+            self._drop_partials(lambda _: True)
 
     async def _one_session(self, stop: asyncio.Event) -> None:
         auto = None
@@ -331,12 +356,14 @@ class Link:
             if exc.code in FATAL_CODES:
                 raise FatalLinkError(f"the syncer refused this learner: {exc}") from None
             raise
-        session.on_inbound_failed = self._update_failed
+        session.on_inbound_failed = partial(self._update_failed, session)
         self.session = session
         self.stats.sessions += 1
         self.stats.streams = len(session.data)
         try:
-            join = Join(self.model, self.incarnation, self.instance, self._held_versions())
+            join = Join(
+                self.model, self.incarnation, self.instance, self._held_versions(), self._partial_updates()
+            )
             await session.send(join)
             try:
                 async with asyncio.timeout(self.config.join_timeout_s):
@@ -373,6 +400,32 @@ class Link:
             self.session = None
             await session.close("learner leaving" if stop.is_set() else "learner reconnecting")
             await self._drop_unread(session)
+            await self._settle_partials(session)
+
+    async def _settle_partials(self, session: Session) -> None:
+        """The closed session's cut-short updates may be offered once no decode of that session
+        writes into their buffers any more; if its decodes do not end soon, they are let go."""
+        try:
+            async with asyncio.timeout(1.0):
+                await session.decodes_idle.wait()
+        except TimeoutError:
+            self._drop_partials(lambda kept: kept.session is session)
+            return
+        for kept in self._partials.values():
+            if kept.session is session:
+                kept.session = None
+
+    def _partial_updates(self) -> tuple[PartialUpdate, ...]:
+        """JOIN.partial: the settled cut-short updates of self.incarnation."""
+        return tuple(
+            PartialUpdate(fragment, kept.header.version, chunk_bitmap(kept.held, kept.header.chunks))
+            for fragment, kept in sorted(self._partials.items())
+            if kept.session is None
+        )
+
+    def _drop_partials(self, which: Callable[[_Partial], bool]) -> None:
+        for fragment in [f for f, kept in self._partials.items() if which(kept)]:
+            self.bridge.update_failed(self._partials.pop(fragment).buffer)
 
     async def _drop_unread(self, session: Session) -> None:
         """Updates the closed session received and nobody read: their buffers go back."""
@@ -383,11 +436,30 @@ class Link:
                     if isinstance(item, FragmentReceived) and isinstance(item.header, UpdateHeader):
                         self.bridge.release(item.buffer)
 
-    def _update_buffer(self, header: StreamHeader) -> memoryview:
+    def _update_buffer(self, header: StreamHeader) -> memoryview | Resumed:
         """The session's allocator: an update lands in a buffer of the bridge, which the training
-        side applies and keeps as the fragment's anchor (no copy on the way)."""
+        side applies and keeps as the fragment's anchor (no copy on the way); one that skips
+        chunks, in the buffer of the cut-short transfer that holds them."""
         if not isinstance(header, UpdateHeader):
             return allocate_bytearray(header)  # a syncer sends updates only; read, then ignored
+        kept = self._partials.pop(header.fragment, None)  # offered once; a newer version replaces it
+        if header.skip:
+            if (
+                kept is not None
+                and kept.session is None
+                and (kept.header.version, kept.header.raw_bytes, kept.header.chunk_bytes)
+                == (header.version, header.raw_bytes, header.chunk_bytes)
+            ):
+                return Resumed(kept.buffer, kept.held)
+            if kept is not None:
+                self.bridge.update_failed(kept.buffer)
+            raise RemoteProtocolError(
+                ErrorCode.UNKNOWN_TRANSFER,
+                f"an update of fragment {header.fragment} version {header.version} skips chunks "
+                "this learner does not hold",
+            )
+        if kept is not None:
+            self.bridge.update_failed(kept.buffer)
         # The plan may not be read yet (it is queued ahead of this update): its layout is checked
         # when the update is read (_on_item); here only that it is one precision we decode.
         dtypes = {entry.dtype for entry in header.manifest}
@@ -400,9 +472,19 @@ class Link:
             raise RemoteProtocolError(ErrorCode.BAD_MANIFEST, message)
         return self.bridge.update_buffer(header.raw_bytes)
 
-    def _update_failed(self, header: StreamHeader, buffer: memoryview) -> None:
-        if isinstance(header, UpdateHeader):
-            self.bridge.update_failed(buffer)
+    def _update_failed(self, session: Session, cut: CutShort) -> None:
+        """An update transfer that failed: kept for a resumed transfer when its session was lost
+        holding some of it (JOIN.partial), else its buffer is let go."""
+        header = cut.header
+        if not isinstance(header, UpdateHeader):
+            return
+        if session.closed.is_set() and cut.held and self.incarnation:
+            older = self._partials.get(header.fragment)
+            if older is not None:
+                self.bridge.update_failed(older.buffer)
+            self._partials[header.fragment] = _Partial(header, cut.buffer, cut.held, session)
+            return
+        self.bridge.update_failed(cut.buffer)
 
     def _id_in_use(self, detail: str | None) -> str:
         """The syncer refused this learner's id (LEARNER_ID_IN_USE): what the operator must change,
@@ -454,6 +536,17 @@ class Link:
                 log.info("new syncer incarnation: healing", old=self.incarnation, new=plan.incarnation)
             self._held.clear()
             self._residuals.clear()  # another syncer's plan may cut the model differently
+        # A cut-short update the syncer will not resume: another incarnation's, one not offered
+        # in this JOIN, or one whose fragment has moved on (that version is no longer sent).
+        offered = {u.fragment: u.version for u in join.partial}
+        self._drop_partials(
+            lambda kept: (
+                not same
+                or offered.get(kept.header.fragment) != kept.header.version
+                or kept.header.fragment >= len(plan.versions)
+                or plan.versions[kept.header.fragment] != kept.header.version
+            )
+        )
         self.incarnation = self.stats.incarnation = plan.incarnation
         self.bridge.post_plan(plan)
         # Back on the same incarnation, a fragment held at any version keeps its anchor: one that
@@ -468,6 +561,7 @@ class Link:
                 held=len(self._held),
                 current=len(skipped),
                 to_receive=len(plan.fragments) - len(skipped),
+                resuming=len(self._partials),
             )
 
     def _on_item(self, item: object) -> None:

@@ -98,9 +98,10 @@ def format_status(status: dict[str, Any]) -> str:
         f"received {_bytes(status['bytes_in'])}  sent {_bytes(status['bytes_out'])}  "
         f"rejected pushes {status['rejected_pushes']}  checkpoints {status['checkpoints_written']}  "
         f"loop lag p99 {lag.get('p99', 0.0):.1f} ms",
-        # Absent from a syncer older than CHUNK_RESEND and JOIN's held versions.
+        # Absent from a syncer older than CHUNK_RESEND and JOIN's held and partial.
         f"chunks asked again {status.get('chunks_asked_again', 0)}  "
-        f"fragments held at rejoins {status.get('fragments_held_at_join', 0)}",
+        f"fragments held at rejoins {status.get('fragments_held_at_join', 0)}  "
+        f"chunks resumed {status.get('chunks_resumed', 0)}",
         "",
         "fragment versions: " + " ".join(f"{f['index']}:{f['version']}" for f in status["fragments"]),
         "",

@@ -67,6 +67,10 @@ def render_syncer_metrics(status: dict[str, Any]) -> str:
         "dilocod_fragments_held_at_join_total",
         "Fragments a rejoining learner already held at their version: not sent again.",
     ).inc(status["fragments_held_at_join"])
+    registry.counter(
+        "dilocod_chunks_resumed_total",
+        "Chunks of updates a rejoining learner held from a transfer cut short: not sent again.",
+    ).inc(status["chunks_resumed"])
     rejected = registry.counter(
         "dilocod_rejected_pushes_total", "Pushes refused or screened out.", ("reason",)
     )

@@ -58,9 +58,10 @@ from dilocod.wire.messages import (
     StatusResponse,
     StepReport,
     UpdateHeader,
+    fits_chunks,
     held_current,
 )
-from dilocod.wire.stream import StreamHeader
+from dilocod.wire.stream import CutShort, StreamHeader
 
 log = structlog.get_logger("dilocod.syncer")
 
@@ -111,6 +112,9 @@ class _Peer:
     joined: bool = False
     #: The learner process's own id from its JOIN ("" when it sent none).
     instance: str = ""
+    #: Updates a lost session cut short, from its JOIN: fragment -> (version, chunks it holds).
+    #: The next send of that version skips those chunks (UpdateHeader.skip), once.
+    partial: dict[int, tuple[int, bytes]] = field(default_factory=dict)
 
 
 def id_in_use_refusal(learner: str, *, same_instance: bool, quiet_s: float, liveness_s: float) -> str | None:
@@ -161,6 +165,8 @@ class SyncerService:
         #: and fragments not sent again to a learner back on this incarnation (JOIN's held).
         self._chunks_asked_again_ended = 0
         self.fragments_held_at_join = 0
+        #: Chunks of updates not sent again: the learner held them from a transfer cut short.
+        self.chunks_resumed = 0
         self.checkpoints_written = 0
         self.last_checkpoint: Path | None = None
         #: Checkpoints that failed since the last one written, and why the last one failed.
@@ -447,6 +453,8 @@ class SyncerService:
             )
         # Registered before the old session is closed: a third JOIN meanwhile finds this one.
         peer = _Peer(learner, session, instance=join.instance)
+        if join.incarnation == self.incarnation:
+            peer.partial = {u.fragment: (u.version, u.have) for u in join.partial}
         self.peers[learner] = peer
         self._size_pool()
         if previous is not None:
@@ -601,8 +609,9 @@ class SyncerService:
     def _shapes(self, fragment: int) -> list[tuple[str, tuple[int, ...]]]:
         return [(entry.name, entry.shape) for entry in self.model.fragments[fragment].manifest]
 
-    def _push_failed(self, peer: _Peer, header: StreamHeader, buffer: memoryview) -> None:
+    def _push_failed(self, peer: _Peer, cut: CutShort) -> None:
         """A push transfer that was admitted failed: forget it (its buffer may still be written)."""
+        header = cut.header
         if isinstance(header, PushHeader):
             # Not to the pool: the transfer may still be writing into it.
             held = self.pushes.take((peer.learner, header.round))
@@ -916,6 +925,7 @@ class SyncerService:
                 self.config.chunk,
                 fragment=index,
                 version=snapshot.version,
+                skip=self._resumable(peer, index, snapshot.version),
             )
             data, checksums = snapshot.buffer, snapshot.checksums
             if self.model.update_precision != "fp32":
@@ -923,11 +933,13 @@ class SyncerService:
                 data, checksums = encoding.buffer, encoding.checksums
             await peer.session.send_fragment(header, data, checksums=checksums)
             peer.sent[index] = snapshot.version
-            self.bytes_out += store.update_bytes
+            sent = store.update_bytes - header.skipped_bytes
+            self.chunks_resumed += len(header.skipped)
+            self.bytes_out += sent
             failures.pop(index, None)
             # Acknowledged: the end of this learner's part of the round's sync time (ξ_sync).
             self.rounds.update_done(peer.learner, index, snapshot.version, self.clock())
-            return store.update_bytes
+            return sent
         except TransferFailed as exc:
             failures[index] += 1
             log.warning("update failed", learner=peer.learner, fragment=index, error=str(exc))
@@ -942,6 +954,16 @@ class SyncerService:
             # a merge, every one of them): one encoding per version, shared.
             waiting = any(index in other.pending and other.joined for other in self.peers.values())
             self.model.release(index, snapshot, keep_encoding=waiting)
+
+    def _resumable(self, peer: _Peer, index: int, version: int) -> bytes:
+        """The chunks of this version the learner holds from a transfer its lost session cut short
+        (JOIN.partial), as the header's skip; b"" to send it whole. Used once: a send that fails
+        again is sent whole, as the learner drops what it held once it is offered a transfer."""
+        held = peer.partial.pop(index, None)
+        if held is None or held[0] != version:
+            return b""
+        chunks = -(-self.model.fragments[index].update_bytes // self.config.chunk)
+        return held[1] if fits_chunks(held[1], chunks) and any(held[1]) else b""
 
     async def _encoded(self, index: int, snapshot: Snapshot) -> Encoding:
         """The snapshot's encoding at the update precision: the one kept on it, else made in the
@@ -1047,6 +1069,7 @@ class SyncerService:
             "chunks_asked_again": self._chunks_asked_again_ended
             + sum(peer.session.chunks_asked_again for peer in self.peers.values()),
             "fragments_held_at_join": self.fragments_held_at_join,
+            "chunks_resumed": self.chunks_resumed,
             # How updates travel (bytes_out counts them at it).
             "update_precision": self.model.update_precision,
             "rejected_pushes": sum(rounds.rejected.values()),

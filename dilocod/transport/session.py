@@ -48,6 +48,7 @@ from dilocod.wire.stream import (
     DAMAGED_CHUNK_CODES,
     MAX_EARLY_BYTES,
     Allocate,
+    CutShort,
     FragmentAssembled,
     InboundStreams,
     OutboundTransfer,
@@ -130,6 +131,10 @@ class Session:
         self._incoming: deque[Incoming] = deque()
         self._wakeup = asyncio.Event()
         self._pending_decodes = 0
+        #: Set while no chunk is being decoded in a worker: once the session is closed, nothing
+        #: writes into the buffers of its cut-short transfers any more (a resumed one may reuse them).
+        self.decodes_idle = asyncio.Event()
+        self.decodes_idle.set()
         self._reading_paused = False
         self._control_paused = False
         self._ping_seq = itertools.count(1)
@@ -145,10 +150,11 @@ class Session:
         self.chunks_asked_again = 0
         #: Whether the peer resends a chunk it is asked for again (its handshake said so).
         self._peer_resends = CHUNK_RESEND_CAPABILITY in peer.capabilities
-        #: Called with (header, buffer) of an inbound transfer that was opened and then failed or
-        #: was abandoned (reset by either side, or the session closed). A decompression may still
-        #: be writing into that buffer: drop it, never hand it out again.
-        self.on_inbound_failed: Callable[[StreamHeader, memoryview], None] | None = None
+        #: Called with what an inbound transfer that was opened and then failed or was abandoned
+        #: (reset by either side, or the session closed) holds. A decompression may still be
+        #: writing into its buffer: drop it, or (the session closed) wait for decodes_idle before
+        #: handing it out again.
+        self.on_inbound_failed: Callable[[CutShort], None] | None = None
         #: Called with (where, error) when the peer's input failed a check: a transfer reset for
         #: it ("transfer N"), or a connection closed for it ("control connection", "data
         #: connection"). For the application's log: the transport itself logs nothing.
@@ -243,12 +249,18 @@ class Session:
             raise ValueError(f"buffer holds {len(view)} bytes, header declares {header.raw_bytes}")
         if checksums is not None and len(checksums) != header.chunks:
             raise ValueError(f"{len(checksums)} checksums given for a fragment of {header.chunks} chunks")
+        skipped = set(header.skipped) if isinstance(header, UpdateHeader) else set()
+        if skipped and checksums is None:
+            raise ValueError("a transfer that skips chunks needs their checksums (for the end digest)")
         transfer_id = next(self._transfer_ids)
         send = _Send(header, view, shuffle_item_size, checksums, OutboundTransfer(transfer_id, header.chunks))
+        for seq in skipped:  # the receiver holds these (UpdateHeader.skip); the digest covers them
+            send.out.checksums[seq] = checksums[seq]  # type: ignore[index]  # checked above
         self._outbound[transfer_id] = send
         try:
             await self.send(header, transfer_id)
-            await self._send_chunks(transfer_id, send, range(header.chunks))
+            to_send = [seq for seq in range(header.chunks) if seq not in skipped]
+            await self._send_chunks(transfer_id, send, to_send)
             await self.send(send.out.end(), transfer_id)
             deadline = self._loop.time() + self.options.ack_timeout_s
             while not send.acked:
@@ -491,6 +503,7 @@ class Session:
             self._verified(transfer_id, chunk)
             return
         self._pending_decodes += 1
+        self.decodes_idle.clear()
         if self._pending_decodes >= self.options.max_pending_decodes and not self._reading_paused:
             self._set_reading(paused=True)
         future = self._loop.run_in_executor(self._executor, codecs.decompress_into, chunk, payload, dest)
@@ -498,6 +511,8 @@ class Session:
 
     def _decoded(self, transfer_id: int, chunk: ChunkHeader, future: asyncio.Future[None]) -> None:
         self._pending_decodes -= 1
+        if not self._pending_decodes:
+            self.decodes_idle.set()
         if self._reading_paused and self._pending_decodes <= self.options.max_pending_decodes // 2:
             self._set_reading(paused=False)
         if future.cancelled():
@@ -653,9 +668,9 @@ class Session:
         ):
             self.on_peer_error(where, exc)
 
-    def _inbound_failed(self, opened: tuple[StreamHeader, memoryview] | None) -> None:
-        if opened is not None and self.on_inbound_failed is not None:
-            self.on_inbound_failed(*opened)
+    def _inbound_failed(self, cut: CutShort | None) -> None:
+        if cut is not None and self.on_inbound_failed is not None:
+            self.on_inbound_failed(cut)
 
     def _check_open(self) -> None:
         if self.closed.is_set():

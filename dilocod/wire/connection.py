@@ -68,8 +68,6 @@ PROTOCOL_MAX_VERSION = 2
 Buffer = bytes | bytearray | memoryview
 #: ERROR messages and GOODBYE reasons are capped at this many UTF-8 bytes (messages.py checks it).
 MAX_REASON_BYTES = 1024
-#: What a closed connection still reads (until the peer closes too) lands here and is dropped.
-SCRATCH_BYTES = 64 * 1024
 #: (transfer id, chunk header, payload length) -> where the payload should land, or None for a
 #: fresh buffer. Raises RemoteProtocolError for chunks the receiver does not expect.
 ChunkSink = Callable[[int, ChunkHeader, int], memoryview | None]
@@ -250,8 +248,8 @@ class Connection:
         what a closing connection still reads is dropped there, never into a chunk's destination,
         which may already belong to someone else."""
         if self.state is State.CLOSED:
-            if self._scratch is None:
-                self._scratch = memoryview(bytearray(SCRATCH_BYTES))
+            if self._scratch is None:  # the smallest chunk: below every bound on what a peer is lent
+                self._scratch = memoryview(bytearray(self.limits.min_chunk_bytes))
             return self._scratch
         return self._target[self._filled :]
 

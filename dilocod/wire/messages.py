@@ -8,6 +8,7 @@ type checked. Tensor payloads never travel in here. Must not import asyncio, soc
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -283,6 +284,10 @@ class Join:
     #: fragment index, None where it holds none (optional on the wire; () for none): a syncer of
     #: that incarnation skips the heal of every fragment held at its current version (SPEC §4.4).
     held: tuple[int | None, ...] = ()
+    #: Updates from `incarnation` cut short by a lost session, with the chunks the learner holds of
+    #: each (optional on the wire; () for none): a syncer of that incarnation sending the same
+    #: version again sends only the other chunks (UpdateHeader.skip, SPEC §4.4).
+    partial: tuple[PartialUpdate, ...] = ()
 
     def to_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -292,6 +297,8 @@ class Join:
         }
         if self.held:
             body["held"] = list(self.held)
+        if self.partial:
+            body["partial"] = [[u.fragment, u.version, u.have] for u in self.partial]
         return body
 
     @classmethod
@@ -301,7 +308,39 @@ class Join:
             b.text("incarnation", MAX_INCARNATION_BYTES),
             b.optional_text("instance", MAX_INSTANCE_BYTES),
             _parse_held(b, limits),
+            _parse_partial(b, limits),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class PartialUpdate:
+    """JOIN.partial's entry: of the update carrying `version` of `fragment`, the learner holds the
+    chunks whose bits are set in `have` (chunk_bitmap), each verified on arrival."""
+
+    fragment: int
+    version: int
+    have: bytes
+
+
+def chunk_bitmap(seqs: Iterable[int], chunks: int) -> bytes:
+    """Chunk sequence numbers as a bitmap: bit seq % 8 (least significant first) of byte seq // 8,
+    ceil(chunks / 8) bytes (JOIN.partial's `have`, UPDATE_HEADER's `skip`)."""
+    bitmap = bytearray(-(-chunks // 8))
+    for seq in seqs:
+        if not 0 <= seq < chunks:
+            raise ValueError(f"chunk {seq} outside 0..{chunks - 1}")
+        bitmap[seq // 8] |= 1 << (seq % 8)
+    return bytes(bitmap)
+
+
+def bitmap_chunks(bitmap: bytes) -> list[int]:
+    """The sequence numbers whose bits a chunk bitmap sets, in order."""
+    return [i * 8 + bit for i, byte in enumerate(bitmap) if byte for bit in range(8) if byte >> bit & 1]
+
+
+def fits_chunks(bitmap: bytes, chunks: int) -> bool:
+    """Whether a bitmap is one of a transfer of `chunks` chunks: its length, and no bit past the end."""
+    return len(bitmap) == -(-chunks // 8) and (chunks % 8 == 0 or not bitmap[-1] >> (chunks % 8))
 
 
 def held_current(join: Join, plan: Plan) -> frozenset[int]:
@@ -312,6 +351,40 @@ def held_current(join: Join, plan: Plan) -> frozenset[int]:
     return frozenset(
         p for p, (held, current) in enumerate(zip(join.held, plan.versions, strict=False)) if held == current
     )
+
+
+def _parse_partial(b: _Body, limits: Limits) -> tuple[PartialUpdate, ...]:
+    """JOIN.partial (optional, absent = none): at most max_fragments entries (LIMIT_EXCEEDED,
+    counted first), each [fragment u32, version u64, have bin] with `have` no longer than a
+    fragment's largest chunk count needs, and at most one entry per fragment (MALFORMED_BODY).
+    Whether `have` fits the fragment is the syncer's to decide (it sends whole what does not)."""
+    if "partial" not in b.raw:
+        return ()
+    entries = b._get("partial", list)
+    if len(entries) > limits.max_fragments:
+        raise RemoteProtocolError(
+            ErrorCode.LIMIT_EXCEEDED, f"JOIN.partial: {len(entries)} entries, limit {limits.max_fragments}"
+        )
+    max_have = -(-limits.max_chunks_per_fragment() // 8)
+    partial = []
+    for entry in entries:
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 3
+            and type(entry[0]) is int
+            and 0 <= entry[0] <= 2**32 - 1
+            and type(entry[1]) is int
+            and 0 <= entry[1] <= U64_MAX
+            and isinstance(entry[2], bytes)
+            and len(entry[2]) <= max_have
+        ):
+            raise _malformed(
+                f"JOIN.partial: each entry [fragment u32, version u64, have bin of at most {max_have} bytes]"
+            )
+        partial.append(PartialUpdate(entry[0], entry[1], entry[2]))
+    if len({u.fragment for u in partial}) != len(partial):
+        raise _malformed("JOIN.partial: a fragment named twice")
+    return tuple(partial)
 
 
 def _parse_held(b: _Body, limits: Limits) -> tuple[int | None, ...]:
@@ -573,15 +646,38 @@ class UpdateHeader(StreamHeader):
     TYPE: ClassVar[FrameType] = FrameType.UPDATE_HEADER
     fragment: int = 0
     version: int = 0
+    #: Chunks not sent (a chunk_bitmap; optional on the wire, b"" for none): the receiver holds
+    #: them from the same version's transfer that a lost session cut short (JOIN.partial).
+    skip: bytes = b""
 
     def to_body(self) -> dict[str, Any]:
-        return {**self.stream_body(), "fragment": self.fragment, "version": self.version}
+        body = {**self.stream_body(), "fragment": self.fragment, "version": self.version}
+        if self.skip:
+            body["skip"] = self.skip
+        return body
 
     @classmethod
     def from_body(cls, b: _Body, limits: Limits) -> UpdateHeader:
-        return cls(
-            *cls.parse_stream(b, limits), fragment=b.uint("fragment", 2**32 - 1), version=b.uint("version")
-        )
+        stream = cls.parse_stream(b, limits)
+        fragment, version = b.uint("fragment", 2**32 - 1), b.uint("version")
+        skip = b._get("skip", bytes) if "skip" in b.raw else b""
+        chunks = -(-stream[1] // stream[3])
+        if skip and not fits_chunks(skip, chunks):
+            raise _malformed(f"UPDATE_HEADER.skip: not a bitmap of {chunks} chunks ({len(skip)} bytes)")
+        return cls(*stream, fragment=fragment, version=version, skip=skip)
+
+    @property
+    def skipped(self) -> list[int]:
+        return bitmap_chunks(self.skip)
+
+    @property
+    def skipped_bytes(self) -> int:
+        """The raw bytes of the skipped chunks (the last chunk may be short)."""
+        seqs = self.skipped
+        total = len(seqs) * self.chunk_bytes
+        if seqs and seqs[-1] == self.chunks - 1:
+            total -= self.chunks * self.chunk_bytes - self.raw_bytes
+        return total
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ costs one chunk, not the whole transfer. Pure bookkeeping: no asyncio, socket, t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from dilocod.wire.codecs import fragment_digest
@@ -26,8 +26,32 @@ from dilocod.wire.limits import Limits, MiB
 from dilocod.wire.messages import FragmentEnd, PushHeader, UpdateHeader
 
 StreamHeader = PushHeader | UpdateHeader
-#: Called once a header is validated: returns a writable buffer of exactly header.raw_bytes.
-Allocate = Callable[[StreamHeader], memoryview]
+
+
+@dataclass(frozen=True, slots=True)
+class Resumed:
+    """Where a resumed transfer lands (an UPDATE_HEADER with `skip`): the buffer that already
+    holds the skipped chunks, and the checksum each of them was verified against."""
+
+    buffer: memoryview
+    checksums: Mapping[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class CutShort:
+    """An opened transfer that ended without completing (reset, or its session lost): its header,
+    its buffer, and the chunks it holds, verified, with their checksums (what a resumed transfer
+    of the same bytes may skip)."""
+
+    header: StreamHeader
+    buffer: memoryview
+    held: dict[int, int]
+
+
+#: Called once a header is validated: returns a writable buffer of exactly header.raw_bytes, or,
+#: for a header that skips chunks, the Resumed buffer holding them. Raises RemoteProtocolError to
+#: refuse the transfer.
+Allocate = Callable[[StreamHeader], "memoryview | Resumed"]
 
 _PENDING, _ARRIVING, _DONE = 0, 1, 2
 #: What an early chunk costs against the early budget beyond its payload (its bookkeeping), so
@@ -123,11 +147,25 @@ class InboundStreams:
                 ErrorCode.LIMIT_EXCEEDED, f"more than {self.limits.max_transfers_in_flight} transfers"
             )
         self._advance(transfer_id)
-        buffer = self.allocate(header)
+        destination = self.allocate(header)
+        buffer = destination.buffer if isinstance(destination, Resumed) else destination
         if len(buffer) != header.raw_bytes:
             raise LocalProtocolError(ErrorCode.INTERNAL, "allocator returned a buffer of the wrong size")
         n = header.chunks
-        self._transfers[transfer_id] = _Inbound(header, buffer, bytearray(n), [0] * n)
+        inbound = _Inbound(header, buffer, bytearray(n), [0] * n)
+        skipped = header.skipped if isinstance(header, UpdateHeader) else []
+        if skipped:
+            held = destination.checksums if isinstance(destination, Resumed) else {}
+            if not all(seq in held for seq in skipped):
+                raise RemoteProtocolError(
+                    ErrorCode.UNKNOWN_TRANSFER,
+                    f"transfer {transfer_id} skips chunks of fragment {header.fragment} version "
+                    f"{header.version} this receiver does not hold",
+                )
+            for seq in skipped:
+                inbound.state[seq], inbound.checksums[seq] = _DONE, held[seq]
+            inbound.done = len(skipped)
+        self._transfers[transfer_id] = inbound
         self._release_early(transfer_id)
         return self._early.pop(transfer_id, [])
 
@@ -246,9 +284,9 @@ class InboundStreams:
         del self._transfers[transfer_id]  # at or below the highest id opened: finished from now on
         return FragmentAssembled(transfer_id, inbound.header, inbound.buffer)
 
-    def reset(self, transfer_id: int) -> tuple[StreamHeader, memoryview] | None:
+    def reset(self, transfer_id: int) -> CutShort | None:
         """Forget a transfer (failed, or reset by the sender); later chunks of it are dropped.
-        Returns the header and buffer of a transfer that had been opened."""
+        Returns what a transfer that had been opened holds."""
         inbound = self._transfers.pop(transfer_id, None)
         self._early.pop(transfer_id, None)
         self._release_early(transfer_id)
@@ -258,10 +296,13 @@ class InboundStreams:
                 # Only a peer that resets transfers it has not announced gets here: forgetting the
                 # lowest lets its late chunks wait as early ones, within the early budget.
                 self._reset_ahead.remove(min(self._reset_ahead))
-        return None if inbound is None else (inbound.header, inbound.buffer)
+        if inbound is None:
+            return None
+        held = {seq: inbound.checksums[seq] for seq, state in enumerate(inbound.state) if state == _DONE}
+        return CutShort(inbound.header, inbound.buffer, held)
 
-    def reset_all(self) -> list[tuple[StreamHeader, memoryview]]:
-        """Forget every open transfer (the session is gone); their headers and buffers."""
+    def reset_all(self) -> list[CutShort]:
+        """Forget every open transfer (the session is gone); what each holds."""
         return [opened for transfer_id in list(self._transfers) if (opened := self.reset(transfer_id))]
 
     def _release_early(self, transfer_id: int) -> None:

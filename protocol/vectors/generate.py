@@ -56,6 +56,7 @@ from dilocod.wire.messages import (
     Join,
     Message,
     NothingToPush,
+    PartialUpdate,
     Ping,
     Plan,
     Pong,
@@ -66,6 +67,7 @@ from dilocod.wire.messages import (
     StreamReset,
     UpdateHeader,
     Welcome,
+    chunk_bitmap,
     decode_body,
     encode_body,
 )
@@ -621,6 +623,11 @@ def build_valid() -> dict[str, Any]:
     # The same learner back on the syncer's incarnation after a lost session: it holds fragment 0
     # at its current version 7 (not sent again, SPEC §4.4) and nothing of fragment 1.
     rejoin = dataclasses.replace(join, incarnation=plan.incarnation, held=(7, None))
+    # The same, its session lost in the middle of fragment 1's update to version 6: of its 12
+    # chunks it holds 0, 1, 2 and 9 (a resumed transfer skips them, SPEC §4.4).
+    resume = dataclasses.replace(rejoin, partial=(PartialUpdate(1, 6, chunk_bitmap([0, 1, 2, 9], 12)),))
+    # The update of §5 sent again to a learner that held its one chunk: header and FRAGMENT_END only.
+    resumed_update = dataclasses.replace(update.header, skip=chunk_bitmap([0], update.header.chunks))
     status = {
         "role": "syncer", "incarnation": "inc-0001", "round": 130, "fragments": 24,
         "learners": ["learner-3"], "versions": [7, 6], "quorum": 1, "grace_s": 0.125,
@@ -632,6 +639,7 @@ def build_valid() -> dict[str, Any]:
     table: list[tuple[str, Message, int, str, str]] = [
         ("join", join, 0, server_control, received),
         ("join_rejoin", rejoin, 0, server_control, received),
+        ("join_resume", resume, 0, server_control, received),
         ("plan", plan, 0, client_control, received),
         ("step_report", StepReport(1200, 4_915_200, 0.25), 0, server_control, received),
         ("fragment_request", FragmentRequest(5, 130, 6), 0, client_control, received),
@@ -640,6 +648,7 @@ def build_valid() -> dict[str, Any]:
         ("fragment_end_push", FragmentEnd(len(push.chunks), push.digest), 1, server_control, received),
         ("fragment_ack_push", FragmentAck(), 1, client_control, received),
         ("update_header", update.header, 2, client_control, received),
+        ("update_header_resumed", resumed_update, 4, client_control, received),
         ("fragment_end_update", FragmentEnd(len(update.chunks), update.digest), 2, client_control, received),
         ("fragment_ack_update", FragmentAck(), 2, server_control, received),
         ("stream_reset", reset, 2, server_control, received),
@@ -721,8 +730,8 @@ def _connection_vectors() -> list[dict[str, Any]]:
     data_hello = decode_body(FrameType.HELLO, data[0][16:], DEFAULT_LIMITS)
     if not isinstance(data_hello, Hello):
         raise RuntimeError("the data handshake starts without a HELLO")
-    push, _ = _transfers()
-    push_body = push.header.to_body()
+    push, update = _transfers()
+    push_body, update_body = push.header.to_body(), update.header.to_body()
     join, plan = _join_and_plan()
     join_body, plan_body = join.to_body(), plan.to_body()
     limits = DEFAULT_LIMITS
@@ -737,6 +746,9 @@ def _connection_vectors() -> list[dict[str, Any]]:
 
     def join_with(**changes: object) -> bytes:
         return raw_frame(F.JOIN, packb({**join_body, **changes}))
+
+    def update_with(**changes: object) -> bytes:
+        return raw_frame(F.UPDATE_HEADER, packb({**update_body, **changes}), 2)
 
     def plan_with(**changes: object) -> bytes:
         return raw_frame(F.PLAN, packb({**plan_body, **changes}))
@@ -887,6 +899,18 @@ def _connection_vectors() -> list[dict[str, Any]]:
          join_with(held=[7, -1])),
         ("join_held_boolean", server_open, E.MALFORMED_BODY, "a held version of true",
          join_with(held=[True])),
+        ("join_partial_not_array", server_open, E.MALFORMED_BODY, "partial is a map",
+         join_with(partial={"1": [6, b"\x07"]})),
+        ("join_partial_entry_short", server_open, E.MALFORMED_BODY, "a partial entry without its bitmap",
+         join_with(partial=[[1, 6]])),
+        ("join_partial_have_not_bin", server_open, E.MALFORMED_BODY, "a partial bitmap sent as a string",
+         join_with(partial=[[1, 6, "\x07"]])),
+        ("join_partial_twice", server_open, E.MALFORMED_BODY, "fragment 1 named twice in partial",
+         join_with(partial=[[1, 6, b"\x07"], [1, 5, b"\x01"]])),
+        ("update_skip_too_long", client_open, E.MALFORMED_BODY, "a skip of 2 bytes for a 1-chunk update",
+         update_with(skip=b"\x01\x00")),
+        ("update_skip_past_the_end", client_open, E.MALFORMED_BODY,
+         "a skip naming chunk 1 of a 1-chunk update", update_with(skip=b"\x02")),
         ("chunk_resend_seq_above_u32", server_open, E.MALFORMED_BODY, "CHUNK_RESEND of chunk 2^32",
          raw_frame(F.CHUNK_RESEND, packb({"seq": 1 << 32}), 1)),
         ("chunk_resend_without_seq", server_open, E.MALFORMED_BODY, "CHUNK_RESEND with an empty body",

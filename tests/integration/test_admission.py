@@ -47,7 +47,7 @@ class Admitting:
 
     async def __call__(self, session: Session) -> None:
         session.set_allocator(self.allocate)
-        session.on_inbound_failed = lambda header, buffer: self.failed.append(getattr(header, "round", -1))
+        session.on_inbound_failed = lambda cut: self.failed.append(getattr(cut.header, "round", -1))
         while True:
             item = await session.recv()
             if isinstance(item, FragmentReceived):

@@ -8,6 +8,7 @@ message, with a deadline.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,10 @@ from dilocod.ops.status import fetch_status
 from dilocod.transport.endpoints import connect
 from dilocod.transport.loop import run
 from dilocod.transport.session import FragmentReceived, Session
-from dilocod.wire.messages import Join, Plan, UpdateHeader
+from dilocod.wire import codecs
+from dilocod.wire.manifest import ModelEntry
+from dilocod.wire.messages import Join, PartialUpdate, Plan, UpdateHeader, chunk_bitmap
+from dilocod.wire.stream import Allocate, Resumed, StreamHeader
 from tests.chaos.proxy import FaultProxy
 
 from .syncer_process import (
@@ -34,8 +38,8 @@ DEADLINE_S = 120.0
 FRAGMENTS = 3
 
 
-async def _join(port: int, join: Join) -> tuple[Session, Plan]:
-    session = await connect("127.0.0.1", port, peer_id="back", streams=1)
+async def _join(port: int, join: Join, allocate: Allocate | None = None) -> tuple[Session, Plan]:
+    session = await connect("127.0.0.1", port, peer_id="back", streams=1, allocate=allocate)
     await session.send(join)
     async with asyncio.timeout(DEADLINE_S):
         plan = await session.recv()
@@ -108,6 +112,86 @@ def test_a_rejoin_is_sent_only_the_fragments_it_does_not_hold(tmp_path: Path) ->
         run(main())
         joined = syncer.log_events("learner joined")
         assert [(r["heals"], r["held"]) for r in joined] == [(3, 0), (0, 3), (2, 1), (3, 0)]
+    finally:
+        assert syncer.stop() == 0, syncer.stderr()
+
+
+RESUME_ENTRY_SOURCE = """
+import torch
+import dilocod
+
+
+def make_trainer(ctx):
+    torch.manual_seed(99)
+    model = torch.nn.Linear(128, 64)  # 33 KB: 9 chunks of 4 KiB
+    return dilocod.Trainer(model=model, optimizer=None, step=lambda index: dilocod.StepResult(64, 0.0))
+"""
+
+
+def test_an_update_cut_short_is_resumed_without_the_chunks_the_learner_holds(tmp_path: Path) -> None:
+    """SPEC §4.4: a JOIN naming the chunks it holds of an update its lost session cut short is
+    sent that version again without them, into the buffer that holds them; the fragment arrives
+    byte for byte, and the syncer counts the chunks it did not send. A partial of a version the
+    fragment has moved past (here: one it never had) is sent whole."""
+    entry_dir = tmp_path / "entry"
+    entry_dir.mkdir()
+    (entry_dir / "resume_entry.py").write_text(RESUME_ENTRY_SOURCE)
+    model = (ModelEntry("weight", "float32", (64, 128)), ModelEntry("bias", "float32", (64,)))
+    syncer = start_syncer(
+        tmp_path, entry_dir, tmp_path / "syncer", "--fragments", "1", "--chunk", "4KiB",
+        entry="resume_entry:make_trainer",
+    )  # fmt: skip
+
+    async def main() -> None:
+        first, plan = await _join(syncer.port, Join(model, "", "the-learner"))
+        async with asyncio.timeout(DEADLINE_S):
+            whole = await first.recv()
+        assert isinstance(whole, FragmentReceived) and isinstance(whole.header, UpdateHeader)
+        header, fragment = whole.header, bytes(whole.buffer)
+        assert header.chunks == 9 and not header.skip
+        await asyncio.to_thread(_healed, syncer, 0)
+        await first.close("reconnecting")
+
+        held = [0, 1, 2, 5, 8]  # what arrived before the session was lost (the last chunk is short)
+        checksums = codecs.chunk_checksums(fragment, header.chunk_bytes)
+        kept = memoryview(bytearray(len(fragment)))
+        for seq in held:
+            part = slice(seq * header.chunk_bytes, (seq + 1) * header.chunk_bytes)
+            kept[part] = fragment[part]
+        offered: list[UpdateHeader] = []
+
+        def allocate(update: StreamHeader) -> memoryview | Resumed:
+            assert isinstance(update, UpdateHeader)
+            offered.append(update)
+            if update.skip:
+                return Resumed(kept, {seq: checksums[seq] for seq in held})
+            return memoryview(bytearray(update.raw_bytes))
+
+        partial = (PartialUpdate(0, plan.versions[0], chunk_bitmap(held, header.chunks)),)
+        join = Join(model, plan.incarnation, "the-learner", (None,), partial)
+        second, _ = await _join(syncer.port, join, allocate=allocate)
+        async with asyncio.timeout(DEADLINE_S):
+            resumed = await second.recv()
+        assert isinstance(resumed, FragmentReceived) and isinstance(resumed.header, UpdateHeader)
+        assert [u.skipped for u in offered] == [held]
+        assert resumed.buffer.obj is kept.obj and bytes(resumed.buffer) == fragment
+        heal = await asyncio.to_thread(_healed, syncer, 1)
+        assert heal["bytes"] == header.raw_bytes - resumed.header.skipped_bytes
+        await second.close("reconnecting")
+
+        # The version it held part of is not the fragment's: sent whole.
+        stale = (PartialUpdate(0, plan.versions[0] + 5, chunk_bitmap(held, header.chunks)),)
+        third, _ = await _join(syncer.port, dataclasses.replace(join, partial=stale), allocate=allocate)
+        async with asyncio.timeout(DEADLINE_S):
+            whole_again = await third.recv()
+        assert isinstance(whole_again, FragmentReceived) and bytes(whole_again.buffer) == fragment
+        assert not offered[-1].skip
+        await third.close("done")
+        status = await fetch_status(Address("127.0.0.1", syncer.port), secret=None, timeout_s=DEADLINE_S)
+        assert status["chunks_resumed"] == len(held)
+
+    try:
+        run(main())
     finally:
         assert syncer.stop() == 0, syncer.stderr()
 

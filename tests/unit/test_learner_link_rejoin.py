@@ -16,9 +16,10 @@ from dilocod.learner.bridge import Bridge, LostPush, Snapshot
 from dilocod.learner.link import PUSH_ATTEMPTS, Link
 from dilocod.transport.errors import SessionClosed, TransferFailed
 from dilocod.transport.session import FragmentReceived
-from dilocod.wire.errors import ErrorCode
+from dilocod.wire.errors import ErrorCode, RemoteProtocolError
 from dilocod.wire.manifest import fragment_manifest
-from dilocod.wire.messages import Join, Plan, PushHeader, UpdateHeader
+from dilocod.wire.messages import Join, PartialUpdate, Plan, PushHeader, UpdateHeader, chunk_bitmap
+from dilocod.wire.stream import CutShort, Resumed
 from tests.unit.test_update_precision import new_link
 
 CHUNK = 1 << 20
@@ -116,6 +117,67 @@ def test_a_push_damaged_on_the_way_is_sent_again(
         assert (link.stats.pushes_sent, link.stats.pushes_refused) == (pushed, refused)
         assert link.stats.pushes_resent == sent - 1
         assert bridge.take().lost == lost
+        link._executor.shutdown()
+
+    asyncio.run(scenario())
+
+
+class _Ended:
+    """A session that has closed and whose decodes are over (Session.closed, decodes_idle)."""
+
+    def __init__(self, *, closed: bool = True) -> None:
+        self.closed, self.decodes_idle = asyncio.Event(), asyncio.Event()
+        if closed:
+            self.closed.set()
+        self.decodes_idle.set()
+
+
+def test_an_update_cut_short_is_offered_again_and_resumed_into_its_buffer() -> None:
+    """SPEC §4.4 (JOIN.partial, UPDATE_HEADER.skip): what a lost session had received of an update
+    is named in the next JOIN once that session's decodes are over, and the same version sent
+    again skipping those chunks lands in the same buffer; a newer version lets it go."""
+
+    async def scenario() -> None:
+        link, bridge, plan = _link()
+        link._adopt_plan(plan, Join(plan.model))
+        shapes = {e.name: e.shape for e in plan.model}
+        manifest, size = fragment_manifest(plan.fragments[1], shapes)
+        header = UpdateHeader(manifest, size, "none", 64, fragment=1, version=7)
+        assert header.chunks > 3
+        buffer = link._update_buffer(header)
+        assert isinstance(buffer, memoryview)
+        held = {0: 11, 2: 13}
+
+        # A transfer reset while its session goes on is let go, as before.
+        link._update_failed(_Ended(closed=False), CutShort(header, buffer, held))  # type: ignore[arg-type]
+        assert link._partials == {} and bridge.pool.id_of(buffer) is None  # never handed out again
+
+        buffer = link._update_buffer(header)
+        lost = _Ended()
+        link._update_failed(lost, CutShort(header, buffer, held))  # type: ignore[arg-type]
+        assert link._partial_updates() == ()  # not before the lost session's decodes are over
+        await link._settle_partials(lost)  # type: ignore[arg-type]
+        offered = link._partial_updates()
+        assert offered == (PartialUpdate(1, 7, chunk_bitmap([0, 2], header.chunks)),)
+        assert bridge.pool.id_of(buffer) is not None  # kept, for the resumed transfer
+
+        rejoin = Join(plan.model, link.incarnation, link.instance, link._held_versions(), offered)
+        link._adopt_plan(plan, rejoin)
+        resumed = link._update_buffer(dataclasses.replace(header, skip=offered[0].have))
+        assert isinstance(resumed, Resumed)
+        assert resumed.buffer is buffer and resumed.checksums == held
+        # Offered once: a second skip of the same chunks names nothing this learner holds.
+        with pytest.raises(RemoteProtocolError) as refused:
+            link._update_buffer(dataclasses.replace(header, skip=offered[0].have))
+        assert refused.value.code is ErrorCode.UNKNOWN_TRANSFER
+
+        # Cut short again; the fragment moves on before the rejoin: the syncer sends version 8
+        # whole, so the partial is let go at the plan.
+        link._update_failed(lost, CutShort(header, buffer, held))  # type: ignore[arg-type]
+        await link._settle_partials(lost)  # type: ignore[arg-type]
+        rejoin = Join(plan.model, link.incarnation, link.instance, (), link._partial_updates())
+        link._adopt_plan(dataclasses.replace(plan, versions=(4, 8)), rejoin)
+        assert link._partials == {} and bridge.pool.id_of(buffer) is None
         link._executor.shutdown()
 
     asyncio.run(scenario())

@@ -10,6 +10,7 @@ RemoteProtocolError and nothing else.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from typing import Any
@@ -51,6 +52,7 @@ from dilocod.wire.messages import (
     Join,
     Message,
     NothingToPush,
+    PartialUpdate,
     Ping,
     Plan,
     Pong,
@@ -61,8 +63,11 @@ from dilocod.wire.messages import (
     StreamReset,
     UpdateHeader,
     Welcome,
+    bitmap_chunks,
+    chunk_bitmap,
     decode_body,
     encode_body,
+    fits_chunks,
     held_current,
 )
 
@@ -464,6 +469,48 @@ def test_join_held_is_counted_before_its_entries() -> None:
     with pytest.raises(RemoteProtocolError) as info:
         decode_body(FrameType.JOIN, body(JOIN, held=["x"] * 5), small)
     assert info.value.code is ErrorCode.LIMIT_EXCEEDED
+
+
+@settings(max_examples=50, deadline=None)
+@given(chunks=st.integers(1, 300), data=st.data())
+def test_a_chunk_bitmap_names_exactly_its_chunks(chunks: int, data: st.DataObject) -> None:
+    seqs = data.draw(st.sets(st.integers(0, chunks - 1)))
+    bitmap = chunk_bitmap(seqs, chunks)
+    assert bitmap_chunks(bitmap) == sorted(seqs)
+    assert fits_chunks(bitmap, chunks)
+    assert not fits_chunks(bitmap + b"\x00", chunks)
+    if chunks % 8:  # a bit past the last chunk
+        assert not fits_chunks(bitmap[:-1] + bytes([bitmap[-1] | 0x80]), chunks)
+    with pytest.raises(ValueError, match="outside"):
+        chunk_bitmap([chunks], chunks)
+
+
+def test_a_resumed_update_and_the_join_that_asks_for_it_round_trip() -> None:
+    """JOIN.partial and UPDATE_HEADER.skip are optional on the wire: absent when empty, and
+    what is sent is what decodes."""
+    resume = Join(JOIN.model, "inc-1", held=(3, None), partial=(PartialUpdate(1, 4, b"\x05"),))
+    assert decode_body(FrameType.JOIN, body(resume), LIMITS) == resume
+    assert "partial" not in JOIN.to_body()
+    entries, raw = pack_manifest([("w", "float32", [3000])])  # 12,000 bytes: 3 chunks of 4 KiB
+    update = UpdateHeader(tuple(entries), raw, "none", LIMITS.min_chunk_bytes, fragment=1, version=4)
+    assert "skip" not in update.to_body()
+    resumed = dataclasses.replace(update, skip=chunk_bitmap([0, 2], update.chunks))
+    assert decode_body(FrameType.UPDATE_HEADER, body(resumed), LIMITS) == resumed
+    assert resumed.skipped == [0, 2]
+    assert resumed.skipped_bytes == 4096 + (raw - 2 * 4096)  # the last chunk is short
+    assert dataclasses.replace(update, skip=chunk_bitmap([1], 3)).skipped_bytes == 4096
+
+
+def test_join_partial_is_counted_before_its_entries() -> None:
+    small = Limits(max_fragments=2)
+    entries = [[p, 1, b"\x01"] for p in range(3)]
+    with pytest.raises(RemoteProtocolError) as info:
+        decode_body(FrameType.JOIN, body(JOIN, partial=entries), small)
+    assert info.value.code is ErrorCode.LIMIT_EXCEEDED
+    too_long = bytes(-(-LIMITS.max_chunks_per_fragment() // 8) + 1)
+    with pytest.raises(RemoteProtocolError) as info:
+        decode_body(FrameType.JOIN, body(JOIN, partial=[[0, 1, too_long]]), LIMITS)
+    assert info.value.code is ErrorCode.MALFORMED_BODY and "partial" in str(info.value)
 
 
 def test_a_join_without_held_encodes_as_before() -> None:

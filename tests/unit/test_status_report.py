@@ -107,9 +107,10 @@ def test_the_table_says_how_many_rounds_were_skipped_and_why(tmp_path: Path) -> 
 
 def test_the_table_shows_a_damaging_path_and_what_rejoins_saved(tmp_path: Path) -> None:
     service = _service(_Clock(), tmp_path)
-    service.fragments_held_at_join = 23
+    service.fragments_held_at_join, service.chunks_resumed = 23, 41
     status = service.status()
-    assert (status["chunks_asked_again"], status["fragments_held_at_join"]) == (0, 23)
-    assert "chunks asked again 0  fragments held at rejoins 23" in format_status(status)
-    older = {k: v for k, v in status.items() if k not in ("chunks_asked_again", "fragments_held_at_join")}
-    assert "chunks asked again 0  fragments held at rejoins 0" in format_status(older)
+    figures = ("chunks_asked_again", "fragments_held_at_join", "chunks_resumed")
+    assert tuple(status[k] for k in figures) == (0, 23, 41)
+    assert "chunks asked again 0  fragments held at rejoins 23  chunks resumed 41" in format_status(status)
+    older = {k: v for k, v in status.items() if k not in figures}
+    assert "chunks asked again 0  fragments held at rejoins 0  chunks resumed 0" in format_status(older)

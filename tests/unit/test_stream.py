@@ -26,13 +26,14 @@ from dilocod.wire.events import ChunkReceived, Event, MessageReceived
 from dilocod.wire.frames import CHUNK_HEADER_BYTES, HEADER_BYTES, ChunkHeader, Codec
 from dilocod.wire.limits import Limits
 from dilocod.wire.manifest import pack_manifest
-from dilocod.wire.messages import FragmentEnd, PushHeader, UpdateHeader
+from dilocod.wire.messages import FragmentEnd, PushHeader, UpdateHeader, chunk_bitmap
 from dilocod.wire.stream import (
     DAMAGED_CHUNK_CODES,
     MIN_CHUNK_RESENDS,
     FragmentAssembled,
     InboundStreams,
     OutboundTransfer,
+    Resumed,
 )
 
 Connect = Callable[..., tuple[Connection, Connection]]
@@ -322,6 +323,99 @@ def test_any_delivery_order_assembles_exactly_once(
         packet = link.packets[0]
         session.deliver(link, rng.choice([len(packet), rng.randrange(1, len(packet) + 1)]))
     assert_assembled_once(receiver, header, fragment)
+
+
+# ------------------------------------------------------------------------------ resumed transfers
+
+
+class Downlink(Session):
+    """A syncer sending to a learner: the same connection pairs, with the server side sending
+    (each Link's `client` is the sender) and the client side's connections sharing the sink."""
+
+    def __init__(self, connect: Connect, receiver: Receiver, n_data: int = 3) -> None:
+        sink = receiver.streams.chunk_target
+        self.receiver = receiver
+        learner, syncer = connect(client_sink=sink)
+        self.control = Link(syncer, learner)
+        self.data = []
+        for _ in range(n_data):
+            learner, syncer = connect("data", session=SESSION, client_sink=sink)
+            self.data.append(Link(syncer, learner))
+
+
+def update_header(raw_bytes: int = RAW_BYTES, skip: bytes = b"") -> UpdateHeader:
+    entries, _ = pack_manifest([("layer.weight", "uint8", [raw_bytes])])
+    return UpdateHeader(tuple(entries), raw_bytes, "zstd", CHUNK_BYTES, fragment=3, version=9, skip=skip)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rng=st.randoms(use_true_random=False), n_data=st.integers(1, 3), cut_after=st.integers(0, 8))
+def test_a_transfer_cut_short_resumes_from_the_chunks_it_holds(
+    connect: Connect, rng: random.Random, n_data: int, cut_after: int
+) -> None:
+    """SPEC §4.4: the session carrying an update is lost after some of its chunks arrived (in any
+    order, some cut mid-packet); the receiver keeps what it verified, and the same version sent
+    again skipping those chunks completes in the same buffer, the digest covering every chunk."""
+    fragment = FRAGMENT
+    first = Receiver()
+    lost = Downlink(connect, first, n_data)
+    header = update_header()
+    lost.control.client.send(header, TID)
+    lost.control.capture()
+    out = OutboundTransfer(TID, header.chunks)
+    for seq in rng.sample(range(header.chunks), header.chunks):
+        index = rng.randrange(n_data)
+        send_chunk(out, lost.data[index], index, header, fragment, seq, *rng.choice(CODEC_CYCLE))
+    lost.deliver_all(lost.control)
+    packets = [(link, len(link.packets[0])) for link in lost.data for _ in range(len(link.packets))]
+    rng.shuffle(packets)
+    for link, _ in packets[:cut_after]:
+        if link.packets:
+            lost.deliver(link, rng.choice([None, rng.randrange(1, len(link.packets[0]) + 1)]))
+    (cut,) = first.streams.reset_all()
+    assert first.assembled == []
+    assert cut.header == header
+    assert set(cut.held) <= set(range(header.chunks))
+    assert all(
+        codecs.checksum(cut.buffer[s * CHUNK_BYTES : (s + 1) * CHUNK_BYTES]) == c for s, c in cut.held.items()
+    )
+
+    second = Receiver()
+    second.streams.allocate = lambda h: Resumed(cut.buffer, cut.held)
+    again = Downlink(connect, second, n_data)
+    resumed = update_header(skip=chunk_bitmap(cut.held, header.chunks))
+    assert resumed.skipped == sorted(cut.held)
+    again.control.client.send(resumed, TID)
+    again.control.capture()
+    out = OutboundTransfer(TID, header.chunks)
+    for seq, checksum in cut.held.items():
+        out.checksums[seq] = checksum
+    for seq in rng.sample(range(header.chunks), header.chunks):
+        if seq not in cut.held:
+            index = rng.randrange(n_data)
+            send_chunk(out, again.data[index], index, resumed, fragment, seq, *rng.choice(CODEC_CYCLE))
+    again.control.client.send(out.end(), TID)
+    again.control.capture()
+    while pending := [link for link in again.links() if link.packets]:
+        again.deliver(rng.choice(pending))
+    (done,) = second.assembled
+    assert bytes(done.buffer) == fragment
+    assert done.buffer.obj is cut.buffer.obj  # no copy: the same buffer, completed
+
+
+def test_a_transfer_that_skips_chunks_the_receiver_does_not_hold_is_refused() -> None:
+    """A skip the receiver cannot honour (it holds fewer chunks, or nothing) is UNKNOWN_TRANSFER from
+    the header: nothing is assembled from bytes it never received."""
+    held = {0: 1, 1: 2}
+    receiver = Receiver()
+    receiver.streams.allocate = lambda h: Resumed(memoryview(bytearray(h.raw_bytes)), held)
+    with pytest.raises(RemoteProtocolError) as refused:
+        receiver.streams.open(TID, update_header(skip=chunk_bitmap([0, 1, 2], 8)))
+    assert refused.value.code is ErrorCode.UNKNOWN_TRANSFER
+    plain = Receiver()  # an allocator that offers no held chunks at all
+    with pytest.raises(RemoteProtocolError) as refused:
+        plain.streams.open(TID, update_header(skip=chunk_bitmap([5], 8)))
+    assert refused.value.code is ErrorCode.UNKNOWN_TRANSFER
 
 
 # ------------------------------------------------------------------------------ damaged chunks

@@ -25,6 +25,7 @@ def _status(**changes: Any) -> dict[str, Any]:
         "bytes_out": 0,
         "chunks_asked_again": 0,
         "fragments_held_at_join": 0,
+        "chunks_resumed": 0,
         "rejected_by_reason": {},
         "checkpoints_written": 1,
         "checkpoints_failed": 0,
@@ -48,9 +49,10 @@ def test_failing_checkpoints_are_a_gauge_an_alert_can_watch() -> None:
 
 
 def test_a_damaging_path_and_what_rejoins_saved_are_counters() -> None:
-    text = render_syncer_metrics(_status(chunks_asked_again=7, fragments_held_at_join=23))
+    text = render_syncer_metrics(_status(chunks_asked_again=7, fragments_held_at_join=23, chunks_resumed=41))
     assert re.search(r"^dilocod_chunks_asked_again_total 7$", text, re.MULTILINE)
     assert re.search(r"^dilocod_fragments_held_at_join_total 23$", text, re.MULTILINE)
+    assert re.search(r"^dilocod_chunks_resumed_total 41$", text, re.MULTILINE)
 
 
 def test_skipped_rounds_and_late_pushes_on_disk_are_shown() -> None:

@@ -20,7 +20,11 @@ An update a lost session cut short is kept with the chunks it holds (a _Partial,
 fragment) once the old session's decodes are done with its buffer, and named in the next JOIN
 (JOIN.partial): the same syncer incarnation sends that version again without those chunks
 (UpdateHeader.skip), into the same buffer. A partial whose version the plan has moved past, or of
-another incarnation, is let go.
+another incarnation, is let go. A push a lost session cut short is kept the same way (a _CutPush:
+its outer gradient and checksums, at most one per fragment): when the syncer asks for that round
+again, naming the chunks it holds (FragmentRequest.have), the same bytes go again without them
+(PushHeader.skip); when it asks for the fragment at another round, or another incarnation plans,
+the push is posted to the training side as lost, as one lost before it was sent is.
 
 --streams auto and --codec auto: the advice `dilocod bench` saved for this syncer when there is
 some (LinkConfig.advice); otherwise the stream count is chosen for every session from the RTT the
@@ -34,10 +38,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 import secrets
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -74,6 +79,7 @@ from dilocod.wire.layouts import push_layout
 from dilocod.wire.limits import DEFAULT_LIMITS
 from dilocod.wire.manifest import ModelEntry, TensorEntry, fragment_manifest
 from dilocod.wire.messages import (
+    MAX_HAVE_BYTES,
     FragmentRequest,
     Join,
     NothingToPush,
@@ -83,6 +89,7 @@ from dilocod.wire.messages import (
     StepReport,
     UpdateHeader,
     chunk_bitmap,
+    fits_chunks,
     held_current,
 )
 from dilocod.wire.stream import CutShort, Resumed, StreamHeader
@@ -159,6 +166,17 @@ class _Partial:
     buffer: memoryview
     held: dict[int, int]
     session: Session | None
+
+
+@dataclass(slots=True)
+class _CutPush:
+    """A push a lost session cut short: the snapshot whose buffers hold its outer gradient, and
+    the header, bytes and chunk checksums it was sent with."""
+
+    snapshot: Snapshot
+    header: PushHeader
+    data: Buffer
+    checksums: list[int]
 
 
 @dataclass(slots=True)
@@ -246,6 +264,8 @@ class Link:
         #: Updates of self.incarnation a lost session cut short, by fragment (see the module
         #: docstring); offered in a JOIN only once settled.
         self._partials: dict[int, _Partial] = {}
+        #: Pushes of self.incarnation a lost session cut short, by fragment (module docstring).
+        self._cut_pushes: dict[int, _CutPush] = {}
         #: Error-feedback residuals of the lossy precisions, per fragment (push worker only).
         self._residuals: dict[int, list[Tensor]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -334,6 +354,9 @@ class Link:
                 task.cancel()
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._drop_partials(lambda _: True)
+            for cut in self._cut_pushes.values():
+                self.bridge.snapshot_done(cut.snapshot)
+            self._cut_pushes.clear()
 
     async def _one_session(self, stop: asyncio.Event) -> None:
         auto = None
@@ -417,11 +440,12 @@ class Link:
 
     def _partial_updates(self) -> tuple[PartialUpdate, ...]:
         """JOIN.partial: the settled cut-short updates of self.incarnation."""
-        return tuple(
+        offered = (
             PartialUpdate(fragment, kept.header.version, chunk_bitmap(kept.held, kept.header.chunks))
             for fragment, kept in sorted(self._partials.items())
             if kept.session is None
         )
+        return tuple(update for update in offered if len(update.have) <= MAX_HAVE_BYTES)
 
     def _drop_partials(self, which: Callable[[_Partial], bool]) -> None:
         for fragment in [f for f, kept in self._partials.items() if which(kept)]:
@@ -536,6 +560,8 @@ class Link:
                 log.info("new syncer incarnation: healing", old=self.incarnation, new=plan.incarnation)
             self._held.clear()
             self._residuals.clear()  # another syncer's plan may cut the model differently
+            for fragment in list(self._cut_pushes):
+                self._lose(self._cut_pushes.pop(fragment))
         # A cut-short update the syncer will not resume: another incarnation's, one not offered
         # in this JOIN, or one whose fragment has moved on (that version is no longer sent).
         offered = {u.fragment: u.version for u in join.partial}
@@ -566,6 +592,12 @@ class Link:
 
     def _on_item(self, item: object) -> None:
         if isinstance(item, FragmentRequest):
+            cut = self._cut_pushes.pop(item.fragment, None)
+            if cut is not None:
+                if cut.header.round == item.round and self.session is not None:
+                    self._start(self._resume_push(self.session, cut, item.have))
+                    return  # the training side took its snapshot for this round already
+                self._lose(cut)
             self.bridge.post_request(item)
         elif isinstance(item, FragmentReceived) and isinstance(item.header, UpdateHeader):
             header = item.header
@@ -655,17 +687,20 @@ class Link:
                 )
                 self.bridge.snapshot_done(snapshot)
                 continue
-            task = asyncio.ensure_future(self._push(session, snapshot))
-            self._pushes.add(task)
-            task.add_done_callback(self._pushes.discard)
+            self._start(self._push(session, snapshot))
+
+    def _start(self, push: Coroutine[None, None, None]) -> None:
+        task = asyncio.ensure_future(push)
+        self._pushes.add(task)
+        task.add_done_callback(self._pushes.discard)
 
     async def _push(self, session: Session, snapshot: Snapshot) -> None:
         """Compute the snapshot's outer gradient and send it. The snapshot's buffers go back to the
         bridge once the push no longer reads them: sent, refused, failed or not made; not when
         cancelled while the worker computes (it may still write into θ: that buffer is never
-        handed out again)."""
+        handed out again), nor when it is kept, cut short, for the syncer to ask for again."""
         try:
-            await self._push_one(session, snapshot)
+            kept = await self._push_one(session, snapshot)
         except asyncio.CancelledError:
             if id(snapshot) in self._computing:
                 raise
@@ -674,11 +709,33 @@ class Link:
         except BaseException:
             self.bridge.snapshot_done(snapshot)
             raise
-        self.bridge.snapshot_done(snapshot)
+        if not kept:
+            self.bridge.snapshot_done(snapshot)
 
-    async def _push_one(self, session: Session, snapshot: Snapshot) -> None:
+    async def _resume_push(self, session: Session, cut: _CutPush, have: bytes) -> None:
+        """The syncer asked again for a round whose push a lost session cut short: the same bytes,
+        without the chunks it says it holds (where `have` fits them), else whole."""
+        skip = have if have and fits_chunks(have, cut.header.chunks) else b""
+        header = dataclasses.replace(cut.header, skip=skip)
+        log.info("resuming a push", fragment=header.fragment, round=header.round, skipped=len(header.skipped))
+        kept = False
+        try:
+            kept = await self._send_push(session, cut.snapshot, header, cut.data, cut.checksums)
+        finally:
+            if not kept:
+                self.bridge.snapshot_done(cut.snapshot)
+
+    def _lose(self, cut: _CutPush) -> None:
+        """A cut push the syncer will not ask for again: its steps are counted again, as a push
+        lost before it was sent (LostPush), and its buffers go back."""
+        self.stats.pushes_lost += 1
+        self.bridge.post_lost(LostPush(cut.snapshot.fragment, cut.snapshot.round))
+        self.bridge.snapshot_done(cut.snapshot)
+
+    async def _push_one(self, session: Session, snapshot: Snapshot) -> bool:
+        """Compute and send one push; True when a lost session cut it short and it is kept."""
         if snapshot.fragment >= len(self._manifests):
-            return
+            return False
         layout = self._manifests[snapshot.fragment]
         residual = None
         if self.config.precision != "fp32":
@@ -730,6 +787,15 @@ class Link:
                 else min(snapshot.apply_late, DEFAULT_LIMITS.max_reported_steps)
             ),
         )
+        return await self._send_push(session, snapshot, header, data, checksums)
+
+    async def _send_push(
+        self, session: Session, snapshot: Snapshot, header: PushHeader, data: Buffer, checksums: list[int]
+    ) -> bool:
+        """Send a push, again while the syncer resets it as damaged; True when a lost session cut
+        it short and it is kept (_cut_pushes) for the syncer to ask for again."""
+        loop = asyncio.get_running_loop()
+        codec = header.codec
         shuffle = PUSH_SHUFFLE if codec != "none" else 0
         for attempt in range(1, PUSH_ATTEMPTS + 1):
             self._meter.started(loop.time(), codec)
@@ -737,7 +803,7 @@ class Link:
             try:
                 self._pushed_at[snapshot.fragment] = loop.time()
                 await session.send_fragment(header, data, shuffle_item_size=shuffle, checksums=checksums)
-                sent = len(data)
+                sent = len(data) - header.skipped_bytes
                 break
             except TransferFailed as exc:
                 if exc.damaged and attempt < PUSH_ATTEMPTS:
@@ -751,20 +817,26 @@ class Link:
                         attempt=attempt,
                         reason=str(exc),
                     )
+                    header = dataclasses.replace(header, skip=b"")  # the syncer let go of what it held
                     continue
                 self.stats.pushes_refused += 1
                 log.warning("push refused", fragment=snapshot.fragment, round=snapshot.round, reason=str(exc))
-                return
+                return False
             except SessionClosed:
-                # The round goes on without this push; its steps are counted again in the
-                # fragment's next one (asked again on rejoin while the round is open).
-                self.stats.pushes_lost += 1
-                self.bridge.post_lost(LostPush(snapshot.fragment, snapshot.round))
-                return
+                # The round goes on without this push. It is kept: a rejoin that the syncer asks
+                # for this round again sends it, without what the syncer holds of it; otherwise
+                # its steps are counted again in the fragment's next push (_lose).
+                cut = _CutPush(snapshot, dataclasses.replace(header, skip=b""), data, checksums)
+                older = self._cut_pushes.get(snapshot.fragment)
+                if older is not None:
+                    self._lose(older)
+                self._cut_pushes[snapshot.fragment] = cut
+                return True
             finally:
                 self._push_ended(loop.time(), sent, session)
         self.stats.pushes_sent += 1
-        self.stats.bytes_sent += len(data)
+        self.stats.bytes_sent += sent or 0
+        return False
 
     # ------------------------------------------------------------- --codec auto
 

@@ -69,7 +69,7 @@ def render_syncer_metrics(status: dict[str, Any]) -> str:
     ).inc(status["fragments_held_at_join"])
     registry.counter(
         "dilocod_chunks_resumed_total",
-        "Chunks of updates a rejoining learner held from a transfer cut short: not sent again.",
+        "Chunks of updates and pushes cut short by a lost session that the receiver held: not sent again.",
     ).inc(status["chunks_resumed"])
     rejected = registry.counter(
         "dilocod_rejected_pushes_total", "Pushes refused or screened out.", ("reason",)

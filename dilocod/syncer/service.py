@@ -22,7 +22,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,7 @@ from dilocod.transport.tuning import AUTO_RATE_GBPS
 from dilocod.wire.errors import ErrorCode, RemoteProtocolError
 from dilocod.wire.layouts import PRECISIONS, precision_of, push_layout
 from dilocod.wire.messages import (
+    MAX_HAVE_BYTES,
     Error,
     FragmentRequest,
     Join,
@@ -58,10 +59,11 @@ from dilocod.wire.messages import (
     StatusResponse,
     StepReport,
     UpdateHeader,
+    chunk_bitmap,
     fits_chunks,
     held_current,
 )
-from dilocod.wire.stream import CutShort, StreamHeader
+from dilocod.wire.stream import CutShort, Resumed, StreamHeader
 
 log = structlog.get_logger("dilocod.syncer")
 
@@ -94,6 +96,16 @@ _REFUSAL_CODES = {
     Refusal.NOT_REQUESTED: ErrorCode.NOT_REQUESTED,
     Refusal.STALE_VERSION: ErrorCode.STALE_VERSION,
 }
+
+
+@dataclass(frozen=True, slots=True)
+class _CutPush:
+    """A learner's push that its lost session cut short: the chunks received, in their buffer (a
+    pool buffer, back to nobody but a resumed transfer), and the session, whose decodes must be
+    over before the buffer is lent again."""
+
+    cut: CutShort
+    session: Session
 
 
 @dataclass(slots=True)
@@ -165,8 +177,12 @@ class SyncerService:
         #: and fragments not sent again to a learner back on this incarnation (JOIN's held).
         self._chunks_asked_again_ended = 0
         self.fragments_held_at_join = 0
-        #: Chunks of updates not sent again: the learner held them from a transfer cut short.
+        #: Chunks of updates and pushes not sent again: the receiver held them from a transfer cut
+        #: short by a lost session (UpdateHeader.skip, PushHeader.skip).
         self.chunks_resumed = 0
+        #: Pushes cut short by a lost session, at most one per learner: asked for again, with the
+        #: chunks held (FragmentRequest.have), while their round still collects (SPEC §4.4).
+        self._cut_pushes: dict[str, _CutPush] = {}
         self.checkpoints_written = 0
         self.last_checkpoint: Path | None = None
         #: Checkpoints that failed since the last one written, and why the last one failed.
@@ -535,12 +551,14 @@ class SyncerService:
 
     # ------------------------------------------------------------------ pushes
 
-    def _allocate(self, peer: _Peer, header: StreamHeader) -> memoryview:
-        """Admit a push by its header (refusals become STREAM_RESET) and lend it a buffer."""
+    def _allocate(self, peer: _Peer, header: StreamHeader) -> memoryview | Resumed:
+        """Admit a push by its header (refusals become STREAM_RESET) and lend it a buffer: for one
+        that resumes a push cut short, the buffer holding the chunks it skips."""
         if not isinstance(header, PushHeader):
             raise RemoteProtocolError(ErrorCode.UNEXPECTED_FRAME, "a learner sends pushes, not updates")
         if not peer.joined:
             raise RemoteProtocolError(ErrorCode.NOT_JOINED, "push before the learner has joined")
+        resumed = self._resumed_push(peer, header)
         if not 0 <= header.fragment < len(self.model.fragments):
             raise RemoteProtocolError(ErrorCode.NOT_REQUESTED, f"there is no fragment {header.fragment}")
         store = self.model.fragments[header.fragment]
@@ -587,6 +605,10 @@ class SyncerService:
                 why=refusal.value,
             )
             raise RemoteProtocolError(_REFUSAL_CODES[refusal], f"round {header.round}: {refusal.value}")
+        if resumed is not None:
+            self.chunks_resumed += len(header.skipped)
+            self.pushes.hold(push, resumed.cut.buffer, precision)
+            return Resumed(resumed.cut.buffer, resumed.cut.held)
         buffer = memoryview(self.model.buffers.take(header.raw_bytes))
         self.pushes.hold(push, buffer, precision)
         return buffer
@@ -610,13 +632,17 @@ class SyncerService:
         return [(entry.name, entry.shape) for entry in self.model.fragments[fragment].manifest]
 
     def _push_failed(self, peer: _Peer, cut: CutShort) -> None:
-        """A push transfer that was admitted failed: forget it (its buffer may still be written)."""
+        """A push transfer that was admitted failed: forget it (its buffer may still be written).
+        One its lost session cut short is kept with the chunks that arrived, for the learner to
+        resume if it is asked for that round again."""
         header = cut.header
         if isinstance(header, PushHeader):
             # Not to the pool: the transfer may still be writing into it.
             held = self.pushes.take((peer.learner, header.round))
             if held is not None:
                 self._apply(self.rounds.push_failed(held.push, self.clock()))
+                if peer.session.closed.is_set() and cut.held and held.buffer is cut.buffer:
+                    self._cut_pushes[peer.learner] = _CutPush(cut, peer.session)
 
     def _on_push(self, peer: _Peer, item: FragmentReceived) -> None:
         header = item.header
@@ -740,10 +766,51 @@ class SyncerService:
             peer = self.peers.get(learner)
             if peer is not None and peer.session.control.is_open:
                 # Control messages are small; the session's deadlines cut off a peer that stops reading.
-                peer.session.control.send(message)
+                have = self._push_held(learner, request)
+                peer.session.control.send(replace(message, have=have) if have else message)
+
+    def _push_held(self, learner: str, request: Request) -> bytes:
+        """FragmentRequest.have: the chunks held of this learner's push for the round, cut short by
+        its lost session (once that session's decodes are over), else b"". A request for the same
+        fragment at another round lets the cut push go."""
+        kept = self._cut_pushes.get(learner)
+        if kept is None or kept.cut.header.fragment != request.fragment:
+            return b""
+        have = chunk_bitmap(kept.cut.held, kept.cut.header.chunks)
+        idle = kept.session.decodes_idle.is_set()
+        if kept.cut.header.round != request.round_index or not idle or len(have) > MAX_HAVE_BYTES:
+            del self._cut_pushes[learner]
+            return b""
+        return have
+
+    def _resumed_push(self, peer: _Peer, header: PushHeader) -> _CutPush | None:
+        """The cut push a header with `skip` resumes, taken; UNKNOWN_TRANSFER (from the header,
+        before admission) when this syncer does not hold every chunk it skips of those bytes."""
+        if not header.skip:
+            return None
+        kept = self._cut_pushes.pop(peer.learner, None)
+        if (
+            kept is None
+            or not kept.session.decodes_idle.is_set()
+            or replace(header, skip=b"") != replace(kept.cut.header, skip=b"")
+            or not set(header.skipped) <= set(kept.cut.held)
+        ):
+            raise RemoteProtocolError(
+                ErrorCode.UNKNOWN_TRANSFER,
+                f"round {header.round}: the push skips chunks this syncer does not hold of it",
+            )
+        return kept
 
     async def _merge(self, merge: Merge) -> None:
         started = self.clock()
+        # The round collects no more: a push of it cut short will not be asked for again.
+        over = [
+            learner
+            for learner, kept in self._cut_pushes.items()
+            if kept.cut.header.round == merge.round_index
+        ]
+        for learner in over:
+            del self._cut_pushes[learner]
         taken = [self.pushes.take((p.learner, p.round_index)) for p in merge.pushes]
         if any(h is None for h in taken):
             log.error("merge without its pushes", fragment=merge.fragment, round=merge.round_index)

@@ -249,7 +249,7 @@ class Session:
             raise ValueError(f"buffer holds {len(view)} bytes, header declares {header.raw_bytes}")
         if checksums is not None and len(checksums) != header.chunks:
             raise ValueError(f"{len(checksums)} checksums given for a fragment of {header.chunks} chunks")
-        skipped = set(header.skipped) if isinstance(header, UpdateHeader) else set()
+        skipped = set(header.skipped)
         if skipped and checksums is None:
             raise ValueError("a transfer that skips chunks needs their checksums (for the end digest)")
         transfer_id = next(self._transfer_ids)

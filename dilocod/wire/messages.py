@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgpack
 
@@ -260,13 +260,24 @@ class FragmentRequest:
     fragment: int
     round: int
     version: int
+    #: The chunks the syncer holds of this learner's push for this round that a lost session cut
+    #: short (a chunk_bitmap; optional on the wire, b"" for none): the same push sent again may
+    #: skip them (PushHeader.skip, SPEC §4.4).
+    have: bytes = b""
 
     def to_body(self) -> dict[str, Any]:
-        return {"fragment": self.fragment, "round": self.round, "version": self.version}
+        body: dict[str, Any] = {"fragment": self.fragment, "round": self.round, "version": self.version}
+        if self.have:
+            body["have"] = self.have
+        return body
 
     @classmethod
     def from_body(cls, b: _Body, limits: Limits) -> FragmentRequest:
-        return cls(b.uint("fragment", 2**32 - 1), b.uint("round"), b.uint("version"))
+        fragment, round_, version = b.uint("fragment", 2**32 - 1), b.uint("round"), b.uint("version")
+        have = b._get("have", bytes) if "have" in b.raw else b""
+        if len(have) > MAX_HAVE_BYTES:
+            raise _malformed(f"FRAGMENT_REQUEST.have: {len(have)} bytes, at most {MAX_HAVE_BYTES}")
+        return cls(fragment, round_, version, have)
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,6 +333,12 @@ class PartialUpdate:
     have: bytes
 
 
+#: The longest chunk bitmap JOIN.partial and FRAGMENT_REQUEST.have carry (16,384 chunks: 16 GiB at
+#: the default 1 MiB chunk), so a request stays a small message (max_message_bytes); a transfer
+#: of more chunks is not offered for resuming, and goes again whole.
+MAX_HAVE_BYTES = 2048
+
+
 def chunk_bitmap(seqs: Iterable[int], chunks: int) -> bytes:
     """Chunk sequence numbers as a bitmap: bit seq % 8 (least significant first) of byte seq // 8,
     ceil(chunks / 8) bytes (JOIN.partial's `have`, UPDATE_HEADER's `skip`)."""
@@ -355,8 +372,8 @@ def held_current(join: Join, plan: Plan) -> frozenset[int]:
 
 def _parse_partial(b: _Body, limits: Limits) -> tuple[PartialUpdate, ...]:
     """JOIN.partial (optional, absent = none): at most max_fragments entries (LIMIT_EXCEEDED,
-    counted first), each [fragment u32, version u64, have bin] with `have` no longer than a
-    fragment's largest chunk count needs, and at most one entry per fragment (MALFORMED_BODY).
+    counted first), each [fragment u32, version u64, have bin] with `have` at most MAX_HAVE_BYTES,
+    and at most one entry per fragment (MALFORMED_BODY).
     Whether `have` fits the fragment is the syncer's to decide (it sends whole what does not)."""
     if "partial" not in b.raw:
         return ()
@@ -365,7 +382,7 @@ def _parse_partial(b: _Body, limits: Limits) -> tuple[PartialUpdate, ...]:
         raise RemoteProtocolError(
             ErrorCode.LIMIT_EXCEEDED, f"JOIN.partial: {len(entries)} entries, limit {limits.max_fragments}"
         )
-    max_have = -(-limits.max_chunks_per_fragment() // 8)
+    max_have = MAX_HAVE_BYTES
     partial = []
     for entry in entries:
         if not (
@@ -540,9 +557,41 @@ class StreamHeader:
     codec: str
     chunk_bytes: int
 
+    if TYPE_CHECKING:  # not a field here: each header type declares it as its last field
+        #: Chunks not sent (a chunk_bitmap; optional on the wire, b"" for none): the receiver holds
+        #: them from a transfer of the same bytes that a lost session cut short (SPEC §4.4).
+        skip: bytes
+
     @property
     def chunks(self) -> int:
         return -(-self.raw_bytes // self.chunk_bytes)
+
+    @property
+    def skipped(self) -> list[int]:
+        return bitmap_chunks(self.skip)
+
+    @property
+    def skipped_bytes(self) -> int:
+        """The raw bytes of the skipped chunks (the last chunk may be short)."""
+        seqs = self.skipped
+        total = len(seqs) * self.chunk_bytes
+        if seqs and seqs[-1] == self.chunks - 1:
+            total -= self.chunks * self.chunk_bytes - self.raw_bytes
+        return total
+
+    def skip_body(self, body: dict[str, Any]) -> dict[str, Any]:
+        if self.skip:
+            body["skip"] = self.skip
+        return body
+
+    @staticmethod
+    def parse_skip(b: _Body, raw_bytes: int, chunk_bytes: int) -> bytes:
+        """`skip` (optional): a bitmap of exactly the transfer's chunks (MALFORMED_BODY)."""
+        skip = b._get("skip", bytes) if "skip" in b.raw else b""
+        chunks = -(-raw_bytes // chunk_bytes)
+        if skip and not fits_chunks(skip, chunks):
+            raise _malformed(f"{b.name}.skip: not a bitmap of {chunks} chunks ({len(skip)} bytes)")
+        return skip
 
     def stream_body(self) -> dict[str, Any]:
         return {
@@ -579,6 +628,7 @@ class PushHeader(StreamHeader):
     #: applied the fragment's previous merge; the syncer's status reports both as lateness.
     step: int | None = None
     apply_late: int | None = None
+    skip: bytes = b""  # StreamHeader.skip: the chunks of that round's push FRAGMENT_REQUEST.have named
 
     def to_body(self) -> dict[str, Any]:
         body = {
@@ -593,12 +643,13 @@ class PushHeader(StreamHeader):
             body["step"] = self.step
         if self.apply_late is not None:
             body["apply_late"] = self.apply_late
-        return body
+        return self.skip_body(body)
 
     @classmethod
     def from_body(cls, b: _Body, limits: Limits) -> PushHeader:
+        stream = cls.parse_stream(b, limits)
         return cls(
-            *cls.parse_stream(b, limits),
+            *stream,
             fragment=b.uint("fragment", 2**32 - 1),
             round=b.uint("round"),
             base_version=b.uint("base_version"),
@@ -606,6 +657,7 @@ class PushHeader(StreamHeader):
             c_tokens=b.uint("c_tokens", limits.max_push_tokens),
             step=b.optional_uint("step", limits.max_reported_steps),
             apply_late=b.optional_uint("apply_late", limits.max_reported_steps),
+            skip=cls.parse_skip(b, stream[1], stream[3]),
         )
 
 
@@ -646,38 +698,16 @@ class UpdateHeader(StreamHeader):
     TYPE: ClassVar[FrameType] = FrameType.UPDATE_HEADER
     fragment: int = 0
     version: int = 0
-    #: Chunks not sent (a chunk_bitmap; optional on the wire, b"" for none): the receiver holds
-    #: them from the same version's transfer that a lost session cut short (JOIN.partial).
-    skip: bytes = b""
+    skip: bytes = b""  # StreamHeader.skip: the chunks of that version JOIN.partial named
 
     def to_body(self) -> dict[str, Any]:
-        body = {**self.stream_body(), "fragment": self.fragment, "version": self.version}
-        if self.skip:
-            body["skip"] = self.skip
-        return body
+        return self.skip_body({**self.stream_body(), "fragment": self.fragment, "version": self.version})
 
     @classmethod
     def from_body(cls, b: _Body, limits: Limits) -> UpdateHeader:
         stream = cls.parse_stream(b, limits)
         fragment, version = b.uint("fragment", 2**32 - 1), b.uint("version")
-        skip = b._get("skip", bytes) if "skip" in b.raw else b""
-        chunks = -(-stream[1] // stream[3])
-        if skip and not fits_chunks(skip, chunks):
-            raise _malformed(f"UPDATE_HEADER.skip: not a bitmap of {chunks} chunks ({len(skip)} bytes)")
-        return cls(*stream, fragment=fragment, version=version, skip=skip)
-
-    @property
-    def skipped(self) -> list[int]:
-        return bitmap_chunks(self.skip)
-
-    @property
-    def skipped_bytes(self) -> int:
-        """The raw bytes of the skipped chunks (the last chunk may be short)."""
-        seqs = self.skipped
-        total = len(seqs) * self.chunk_bytes
-        if seqs and seqs[-1] == self.chunks - 1:
-            total -= self.chunks * self.chunk_bytes - self.raw_bytes
-        return total
+        return cls(*stream, fragment=fragment, version=version, skip=cls.parse_skip(b, stream[1], stream[3]))
 
 
 @dataclass(frozen=True, slots=True)

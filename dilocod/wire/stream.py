@@ -153,14 +153,14 @@ class InboundStreams:
             raise LocalProtocolError(ErrorCode.INTERNAL, "allocator returned a buffer of the wrong size")
         n = header.chunks
         inbound = _Inbound(header, buffer, bytearray(n), [0] * n)
-        skipped = header.skipped if isinstance(header, UpdateHeader) else []
+        skipped = header.skipped
         if skipped:
             held = destination.checksums if isinstance(destination, Resumed) else {}
             if not all(seq in held for seq in skipped):
                 raise RemoteProtocolError(
                     ErrorCode.UNKNOWN_TRANSFER,
-                    f"transfer {transfer_id} skips chunks of fragment {header.fragment} version "
-                    f"{header.version} this receiver does not hold",
+                    f"transfer {transfer_id} skips chunks of fragment {header.fragment} this receiver "
+                    "does not hold",
                 )
             for seq in skipped:
                 inbound.state[seq], inbound.checksums[seq] = _DONE, held[seq]

@@ -46,6 +46,7 @@ from dilocod.wire.frames import (
 from dilocod.wire.limits import DEFAULT_LIMITS, chunk_payload_bound
 from dilocod.wire.manifest import ModelEntry, pack_manifest
 from dilocod.wire.messages import (
+    MAX_HAVE_BYTES,
     ChunkResend,
     Error,
     FragmentAck,
@@ -628,6 +629,9 @@ def build_valid() -> dict[str, Any]:
     resume = dataclasses.replace(rejoin, partial=(PartialUpdate(1, 6, chunk_bitmap([0, 1, 2, 9], 12)),))
     # The update of §5 sent again to a learner that held its one chunk: header and FRAGMENT_END only.
     resumed_update = dataclasses.replace(update.header, skip=chunk_bitmap([0], update.header.chunks))
+    # The push of §5 cut short after its first chunk; the syncer asks for its round again.
+    push_have = chunk_bitmap([0], push.header.chunks)
+    resumed_push = dataclasses.replace(push.header, skip=push_have)
     status = {
         "role": "syncer", "incarnation": "inc-0001", "round": 130, "fragments": 24,
         "learners": ["learner-3"], "versions": [7, 6], "quorum": 1, "grace_s": 0.125,
@@ -643,8 +647,10 @@ def build_valid() -> dict[str, Any]:
         ("plan", plan, 0, client_control, received),
         ("step_report", StepReport(1200, 4_915_200, 0.25), 0, server_control, received),
         ("fragment_request", FragmentRequest(5, 130, 6), 0, client_control, received),
+        ("fragment_request_resume", FragmentRequest(3, 130, 6, push_have), 0, client_control, received),
         ("nothing_to_push", NothingToPush(5, 130, 6, 3144), 0, server_control, received),
         ("push_header", push.header, 1, server_control, received),
+        ("push_header_resumed", resumed_push, 5, server_control, received),
         ("fragment_end_push", FragmentEnd(len(push.chunks), push.digest), 1, server_control, received),
         ("fragment_ack_push", FragmentAck(), 1, client_control, received),
         ("update_header", update.header, 2, client_control, received),
@@ -909,6 +915,12 @@ def _connection_vectors() -> list[dict[str, Any]]:
          join_with(partial=[[1, 6, b"\x07"], [1, 5, b"\x01"]])),
         ("update_skip_too_long", client_open, E.MALFORMED_BODY, "a skip of 2 bytes for a 1-chunk update",
          update_with(skip=b"\x01\x00")),
+        ("push_skip_too_long", server_open, E.MALFORMED_BODY, "a push skip one byte longer than its chunks",
+         push_with(skip=bytes(-(-push.header.chunks // 8) + 1))),
+        ("fragment_request_have_too_long", client_open, E.MALFORMED_BODY,
+         "a have of 2049 bytes (at most 2048)",
+         raw_frame(F.FRAGMENT_REQUEST, packb({"fragment": 3, "round": 130, "version": 6,
+                                              "have": bytes(MAX_HAVE_BYTES + 1)}))),
         ("update_skip_past_the_end", client_open, E.MALFORMED_BODY,
          "a skip naming chunk 1 of a 1-chunk update", update_with(skip=b"\x02")),
         ("chunk_resend_seq_above_u32", server_open, E.MALFORMED_BODY, "CHUNK_RESEND of chunk 2^32",

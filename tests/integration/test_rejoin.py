@@ -8,6 +8,7 @@ message, with a deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 from pathlib import Path
@@ -19,8 +20,18 @@ from dilocod.transport.endpoints import connect
 from dilocod.transport.loop import run
 from dilocod.transport.session import FragmentReceived, Session
 from dilocod.wire import codecs
+from dilocod.wire.frames import ChunkHeader, Codec
 from dilocod.wire.manifest import ModelEntry
-from dilocod.wire.messages import Join, PartialUpdate, Plan, UpdateHeader, chunk_bitmap
+from dilocod.wire.messages import (
+    FragmentRequest,
+    Join,
+    PartialUpdate,
+    Plan,
+    PushHeader,
+    StepReport,
+    UpdateHeader,
+    chunk_bitmap,
+)
 from dilocod.wire.stream import Allocate, Resumed, StreamHeader
 from tests.chaos.proxy import FaultProxy
 
@@ -38,8 +49,10 @@ DEADLINE_S = 120.0
 FRAGMENTS = 3
 
 
-async def _join(port: int, join: Join, allocate: Allocate | None = None) -> tuple[Session, Plan]:
-    session = await connect("127.0.0.1", port, peer_id="back", streams=1, allocate=allocate)
+async def _join(
+    port: int, join: Join, allocate: Allocate | None = None, streams: int = 1, peer_id: str = "back"
+) -> tuple[Session, Plan]:
+    session = await connect("127.0.0.1", port, peer_id=peer_id, streams=streams, allocate=allocate)
     await session.send(join)
     async with asyncio.timeout(DEADLINE_S):
         plan = await session.recv()
@@ -189,6 +202,76 @@ def test_an_update_cut_short_is_resumed_without_the_chunks_the_learner_holds(tmp
         await third.close("done")
         status = await fetch_status(Address("127.0.0.1", syncer.port), secret=None, timeout_s=DEADLINE_S)
         assert status["chunks_resumed"] == len(held)
+
+    try:
+        run(main())
+    finally:
+        assert syncer.stop() == 0, syncer.stderr()
+
+
+def test_a_push_cut_short_is_resumed_without_the_chunks_the_syncer_holds(tmp_path: Path) -> None:
+    """SPEC §4.4: the syncer keeps what it verified of a push its session lost; asked again for
+    that round after the learner rejoins, FRAGMENT_REQUEST says which chunks it holds, and the same
+    push sent without them completes and is merged. A second learner, joined and silent, keeps the
+    round collecting meanwhile."""
+    entry_dir = tmp_path / "entry"
+    entry_dir.mkdir()
+    (entry_dir / "resume_entry.py").write_text(RESUME_ENTRY_SOURCE)
+    model = (ModelEntry("weight", "float32", (64, 128)), ModelEntry("bias", "float32", (64,)))
+    syncer = start_syncer(
+        tmp_path, entry_dir, tmp_path / "syncer", "--fragments", "1", "--chunk", "4KiB",
+        "--sync-every", "2", entry="resume_entry:make_trainer",
+    )  # fmt: skip
+
+    async def asked(session: Session, first_step: int) -> FragmentRequest:
+        """Report steps until the syncer asks for the fragment (each report waits for a reply)."""
+        async with asyncio.timeout(DEADLINE_S):
+            for step in itertools.count(first_step):
+                await session.send(StepReport(step, 64, 0.01))
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(0.5):  # a poll period, not a wait for an event
+                        while True:
+                            item = await session.recv()
+                            if isinstance(item, FragmentRequest):
+                                return item
+        raise AssertionError("unreachable")
+
+    async def main() -> None:
+        other, _ = await _join(syncer.port, Join(model, "", "another"), peer_id="other")
+        first, plan = await _join(syncer.port, Join(model, "", "the-learner"), streams=0)
+        async with asyncio.timeout(DEADLINE_S):
+            heal = await first.recv()
+        assert isinstance(heal, FragmentReceived) and isinstance(heal.header, UpdateHeader)
+        await asyncio.to_thread(_healed, syncer, 0)
+        request = await asked(first, 1)
+        gradient = bytes(range(256)) * (heal.header.raw_bytes // 256)
+        header = PushHeader(
+            heal.header.manifest, len(gradient), "none", heal.header.chunk_bytes,
+            fragment=0, round=request.round, base_version=plan.versions[0], c_steps=4, c_tokens=256,
+        )  # fmt: skip
+        # Header and chunks 0-3 on the control connection (streams=0: one connection, so the
+        # syncer reads them in this order before the session ends), then the session is lost.
+        transfer_id = next(first._transfer_ids)
+        first.control.send(header, transfer_id)
+        for seq in range(4):
+            raw = gradient[seq * header.chunk_bytes : (seq + 1) * header.chunk_bytes]
+            chunk = ChunkHeader(seq, len(raw), Codec.NONE, 0, codecs.checksum(raw))
+            first.control.send_chunk(transfer_id, chunk, raw)
+        await first.close("cut")
+
+        again = Join(model, plan.incarnation, "the-learner", (plan.versions[0],))
+        second, _ = await _join(syncer.port, again, streams=0)
+        async with asyncio.timeout(DEADLINE_S):  # asked at join for the round still collecting
+            resume = await second.recv()
+        assert isinstance(resume, FragmentRequest)
+        assert (resume.round, resume.have) == (request.round, chunk_bitmap(range(4), header.chunks))
+        checksums = codecs.chunk_checksums(gradient, header.chunk_bytes)
+        resumed = dataclasses.replace(header, skip=resume.have)
+        await second.send_fragment(resumed, gradient, checksums=checksums)  # acknowledged: whole
+        status = await fetch_status(Address("127.0.0.1", syncer.port), secret=None, timeout_s=DEADLINE_S)
+        assert status["chunks_resumed"] == 4
+        await second.close("done")
+        await other.close("done")
 
     try:
         run(main())

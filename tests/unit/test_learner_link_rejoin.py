@@ -18,7 +18,15 @@ from dilocod.transport.errors import SessionClosed, TransferFailed
 from dilocod.transport.session import FragmentReceived
 from dilocod.wire.errors import ErrorCode, RemoteProtocolError
 from dilocod.wire.manifest import fragment_manifest
-from dilocod.wire.messages import Join, PartialUpdate, Plan, PushHeader, UpdateHeader, chunk_bitmap
+from dilocod.wire.messages import (
+    FragmentRequest,
+    Join,
+    PartialUpdate,
+    Plan,
+    PushHeader,
+    UpdateHeader,
+    chunk_bitmap,
+)
 from dilocod.wire.stream import CutShort, Resumed
 from tests.unit.test_update_precision import new_link
 
@@ -96,14 +104,14 @@ CUT = SessionClosed("control connection lost")
         pytest.param([DAMAGED, None], 2, 1, 0, [], id="damaged-once"),
         pytest.param([DAMAGED] * PUSH_ATTEMPTS, PUSH_ATTEMPTS, 0, 1, [], id="damaged-every-time"),
         pytest.param([REFUSED], 1, 0, 1, [], id="refused"),
-        pytest.param([DAMAGED, CUT], 2, 0, 0, [LostPush(0, 3)], id="session-lost"),
+        pytest.param([DAMAGED, CUT], 2, 0, 0, [], id="session-lost"),
     ],
 )
 def test_a_push_damaged_on_the_way_is_sent_again(
     verdicts: list[Exception | None], sent: int, pushed: int, refused: int, lost: list[LostPush]
 ) -> None:
-    """And one whose session ends under it is posted to the training side as lost (its steps go
-    into the fragment's next push); a refused one is not (the syncer decided)."""
+    """And one whose session ends under it is kept for the syncer to ask for again (the next
+    test); a refused one is let go (the syncer decided)."""
 
     async def scenario() -> None:
         link, bridge, plan = _link()
@@ -111,7 +119,8 @@ def test_a_push_damaged_on_the_way_is_sent_again(
         size = fragment_manifest(plan.fragments[0], {e.name: e.shape for e in plan.model})[1]
         snapshot = Snapshot(0, 3, 4, 2, 64, bytearray(size), bytearray(size))
         session = _Session(list(verdicts))
-        await link._push_one(session, snapshot)  # type: ignore[arg-type]
+        kept = await link._push_one(session, snapshot)  # type: ignore[arg-type]
+        assert kept == (verdicts[-1] is CUT) == (0 in link._cut_pushes)
         assert len(session.sent) == sent
         assert {(h.fragment, h.round, h.base_version) for h in session.sent} == {(0, 3, 4)}
         assert (link.stats.pushes_sent, link.stats.pushes_refused) == (pushed, refused)
@@ -178,6 +187,52 @@ def test_an_update_cut_short_is_offered_again_and_resumed_into_its_buffer() -> N
         rejoin = Join(plan.model, link.incarnation, link.instance, (), link._partial_updates())
         link._adopt_plan(dataclasses.replace(plan, versions=(4, 8)), rejoin)
         assert link._partials == {} and bridge.pool.id_of(buffer) is None
+        link._executor.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_push_cut_short_is_resumed_when_its_round_is_asked_for_again() -> None:
+    """SPEC §4.4 (FRAGMENT_REQUEST.have, PUSH_HEADER.skip): a push its session lost is kept; the
+    syncer asking for that round again gets the same bytes without the chunks it holds, and the
+    training side is not asked for another snapshot. Asked for the fragment at another round, or
+    planned by another incarnation, the kept push is lost (its steps counted again) instead."""
+
+    async def scenario() -> None:
+        link, bridge, plan = _link()
+        link._adopt_plan(plan, Join(plan.model))
+        bridge.take()
+        size = fragment_manifest(plan.fragments[0], {e.name: e.shape for e in plan.model})[1]
+
+        async def cut_push(round_: int) -> PushHeader:
+            snapshot = Snapshot(0, round_, 4, 2, 64, bytearray(size), bytearray(size))
+            lost = _Session([CUT])
+            assert await link._push_one(lost, snapshot)  # type: ignore[arg-type]
+            return lost.sent[0]
+
+        first = await cut_push(3)
+        assert first.chunks == 1 and bridge.take().lost == []
+        again = _Session([None])
+        link.session = again  # type: ignore[assignment]
+        have = chunk_bitmap([0], first.chunks)
+        link._on_item(FragmentRequest(0, 3, 4, have))
+        await asyncio.gather(*link._pushes)
+        (resent,) = again.sent
+        assert resent == dataclasses.replace(first, skip=have) and resent.skipped_bytes == first.raw_bytes
+        assert link._cut_pushes == {} and link.stats.pushes_sent == 1
+        inbox = bridge.take()
+        assert inbox.requests == [] and inbox.lost == []  # no new snapshot: the kept bytes went
+
+        # Cut again; the syncer asks for the fragment's next round: lost, then asked as usual.
+        await cut_push(5)
+        link._on_item(FragmentRequest(0, 7, 4))
+        inbox = bridge.take()
+        assert inbox.lost == [LostPush(0, 5)] and [r.round for r in inbox.requests] == [7]
+
+        # Cut again; another incarnation plans: lost.
+        await cut_push(9)
+        link._adopt_plan(dataclasses.replace(plan, incarnation="inc-2"), Join(plan.model))
+        assert bridge.take().lost == [LostPush(0, 9)] and link._cut_pushes == {}
         link._executor.shutdown()
 
     asyncio.run(scenario())

@@ -35,6 +35,7 @@ from dilocod.wire.manifest import (
 from dilocod.wire.messages import (
     AUTH_METHODS,
     MAC_BYTES,
+    MAX_HAVE_BYTES,
     MAX_INCARNATION_BYTES,
     MAX_INSTANCE_BYTES,
     MESSAGE_TYPES,
@@ -507,10 +508,16 @@ def test_join_partial_is_counted_before_its_entries() -> None:
     with pytest.raises(RemoteProtocolError) as info:
         decode_body(FrameType.JOIN, body(JOIN, partial=entries), small)
     assert info.value.code is ErrorCode.LIMIT_EXCEEDED
-    too_long = bytes(-(-LIMITS.max_chunks_per_fragment() // 8) + 1)
+    longest = Join(JOIN.model, "inc-1", partial=(PartialUpdate(0, 1, bytes(MAX_HAVE_BYTES)),))
+    assert decode_body(FrameType.JOIN, body(longest), LIMITS) == longest
     with pytest.raises(RemoteProtocolError) as info:
-        decode_body(FrameType.JOIN, body(JOIN, partial=[[0, 1, too_long]]), LIMITS)
+        decode_body(FrameType.JOIN, body(JOIN, partial=[[0, 1, bytes(MAX_HAVE_BYTES + 1)]]), LIMITS)
     assert info.value.code is ErrorCode.MALFORMED_BODY and "partial" in str(info.value)
+    request = FragmentRequest(0, 1, 2, bytes(MAX_HAVE_BYTES))
+    assert decode_body(FrameType.FRAGMENT_REQUEST, body(request), LIMITS) == request
+    with pytest.raises(RemoteProtocolError) as info:
+        decode_body(FrameType.FRAGMENT_REQUEST, body(request, have=bytes(MAX_HAVE_BYTES + 1)), LIMITS)
+    assert info.value.code is ErrorCode.MALFORMED_BODY and "have" in str(info.value)
 
 
 def test_a_join_without_held_encodes_as_before() -> None:

@@ -370,21 +370,27 @@ def held_current(join: Join, plan: Plan) -> frozenset[int]:
     )
 
 
+def _per_fragment(b: _Body, key: str, limits: Limits) -> list[Any]:
+    """An optional JOIN list of at most one entry per fragment: [] when absent; more than
+    max_fragments entries is LIMIT_EXCEEDED, counted before any entry is looked at."""
+    if key not in b.raw:
+        return []
+    entries = b._get(key, list)
+    if len(entries) > limits.max_fragments:
+        raise RemoteProtocolError(
+            ErrorCode.LIMIT_EXCEEDED, f"JOIN.{key}: {len(entries)} entries, limit {limits.max_fragments}"
+        )
+    return entries
+
+
 def _parse_partial(b: _Body, limits: Limits) -> tuple[PartialUpdate, ...]:
     """JOIN.partial (optional, absent = none): at most max_fragments entries (LIMIT_EXCEEDED,
     counted first), each [fragment u32, version u64, have bin] with `have` at most MAX_HAVE_BYTES,
     and at most one entry per fragment (MALFORMED_BODY).
     Whether `have` fits the fragment is the syncer's to decide (it sends whole what does not)."""
-    if "partial" not in b.raw:
-        return ()
-    entries = b._get("partial", list)
-    if len(entries) > limits.max_fragments:
-        raise RemoteProtocolError(
-            ErrorCode.LIMIT_EXCEEDED, f"JOIN.partial: {len(entries)} entries, limit {limits.max_fragments}"
-        )
     max_have = MAX_HAVE_BYTES
     partial = []
-    for entry in entries:
+    for entry in _per_fragment(b, "partial", limits):
         if not (
             isinstance(entry, list)
             and len(entry) == 3
@@ -407,13 +413,7 @@ def _parse_partial(b: _Body, limits: Limits) -> tuple[PartialUpdate, ...]:
 def _parse_held(b: _Body, limits: Limits) -> tuple[int | None, ...]:
     """JOIN.held (optional, absent = none): at most max_fragments entries (LIMIT_EXCEEDED, counted
     first), each a u64 or nil (MALFORMED_BODY)."""
-    if "held" not in b.raw:
-        return ()
-    held = b._get("held", list)
-    if len(held) > limits.max_fragments:
-        raise RemoteProtocolError(
-            ErrorCode.LIMIT_EXCEEDED, f"JOIN.held: {len(held)} fragments, limit {limits.max_fragments}"
-        )
+    held = _per_fragment(b, "held", limits)
     if not all(v is None or (type(v) is int and 0 <= v <= U64_MAX) for v in held):
         raise _malformed("JOIN.held: each entry a u64 version or nil")
     return tuple(held)

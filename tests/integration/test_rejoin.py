@@ -141,19 +141,25 @@ def make_trainer(ctx):
 """
 
 
-def test_an_update_cut_short_is_resumed_without_the_chunks_the_learner_holds(tmp_path: Path) -> None:
-    """SPEC §4.4: a JOIN naming the chunks it holds of an update its lost session cut short is
-    sent that version again without them, into the buffer that holds them; the fragment arrives
-    byte for byte, and the syncer counts the chunks it did not send. A partial of a version the
-    fragment has moved past (here: one it never had) is sent whole."""
+def _resume_syncer(tmp_path: Path, *args: str) -> tuple[DaemonProcess, tuple[ModelEntry, ...]]:
+    """A syncer of RESUME_ENTRY_SOURCE's model in one fragment of 9 chunks, and that model."""
     entry_dir = tmp_path / "entry"
     entry_dir.mkdir()
     (entry_dir / "resume_entry.py").write_text(RESUME_ENTRY_SOURCE)
     model = (ModelEntry("weight", "float32", (64, 128)), ModelEntry("bias", "float32", (64,)))
     syncer = start_syncer(
-        tmp_path, entry_dir, tmp_path / "syncer", "--fragments", "1", "--chunk", "4KiB",
+        tmp_path, entry_dir, tmp_path / "syncer", "--fragments", "1", "--chunk", "4KiB", *args,
         entry="resume_entry:make_trainer",
     )  # fmt: skip
+    return syncer, model
+
+
+def test_an_update_cut_short_is_resumed_without_the_chunks_the_learner_holds(tmp_path: Path) -> None:
+    """SPEC §4.4: a JOIN naming the chunks it holds of an update its lost session cut short is
+    sent that version again without them, into the buffer that holds them; the fragment arrives
+    byte for byte, and the syncer counts the chunks it did not send. A partial of a version the
+    fragment has moved past (here: one it never had) is sent whole."""
+    syncer, model = _resume_syncer(tmp_path)
 
     async def main() -> None:
         first, plan = await _join(syncer.port, Join(model, "", "the-learner"))
@@ -214,14 +220,7 @@ def test_a_push_cut_short_is_resumed_without_the_chunks_the_syncer_holds(tmp_pat
     that round after the learner rejoins, FRAGMENT_REQUEST says which chunks it holds, and the same
     push sent without them completes and is merged. A second learner, joined and silent, keeps the
     round collecting meanwhile."""
-    entry_dir = tmp_path / "entry"
-    entry_dir.mkdir()
-    (entry_dir / "resume_entry.py").write_text(RESUME_ENTRY_SOURCE)
-    model = (ModelEntry("weight", "float32", (64, 128)), ModelEntry("bias", "float32", (64,)))
-    syncer = start_syncer(
-        tmp_path, entry_dir, tmp_path / "syncer", "--fragments", "1", "--chunk", "4KiB",
-        "--sync-every", "2", entry="resume_entry:make_trainer",
-    )  # fmt: skip
+    syncer, model = _resume_syncer(tmp_path, "--sync-every", "2")
 
     async def asked(session: Session, first_step: int) -> FragmentRequest:
         """Report steps until the syncer asks for the fragment (each report waits for a reply)."""

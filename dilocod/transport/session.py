@@ -254,7 +254,7 @@ class Session:
             raise ValueError("a transfer that skips chunks needs their checksums (for the end digest)")
         transfer_id = next(self._transfer_ids)
         send = _Send(header, view, shuffle_item_size, checksums, OutboundTransfer(transfer_id, header.chunks))
-        for seq in skipped:  # the receiver holds these (UpdateHeader.skip); the digest covers them
+        for seq in skipped:  # the receiver holds these (the header's skip); the digest covers them
             send.out.checksums[seq] = checksums[seq]  # type: ignore[index]  # checked above
         self._outbound[transfer_id] = send
         try:

@@ -30,7 +30,7 @@ StreamHeader = PushHeader | UpdateHeader
 
 @dataclass(frozen=True, slots=True)
 class Resumed:
-    """Where a resumed transfer lands (an UPDATE_HEADER with `skip`): the buffer that already
+    """Where a resumed transfer lands (a stream header with `skip`): the buffer that already
     holds the skipped chunks, and the checksum each of them was verified against."""
 
     buffer: memoryview

@@ -170,8 +170,14 @@ REFUSED: list[tuple[str, Callable[[TlsSet], ssl.SSLContext | None]]] = [
 ]
 
 
-def test_mutual_tls_with_real_daemons(tmp_path: Path, tls_files: TlsSet) -> None:
-    """TLS alone is enough beyond loopback: the syncer listens on every address with no secret."""
+def test_mutual_tls_with_real_daemons(
+    tmp_path: Path, tls_files: TlsSet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TLS alone is enough beyond loopback: the syncer listens on every address with no secret.
+    The learner's steps take 10 ms, so that its pushes keep pace with the rounds: at the bare
+    step (40 steps in 30 ms) a request reached the training side some 24 steps after its round
+    opened, every push came after its round had closed, and a third of the runs merged nothing."""
+    monkeypatch.setenv("LEARNER_TEST_STEP_S", "0.01")
     entry_dir = write_learner_entry(tmp_path / "entry")
     syncer = start_syncer(
         tmp_path,

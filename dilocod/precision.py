@@ -51,6 +51,12 @@ def tensor_views(buffer: Buffer, manifest: Sequence[TensorEntry]) -> list[Tensor
     """The manifest's tensors as views onto a wire-layout buffer, sharing its memory (no copy).
     Every part of dilocod that reads or writes fragment bytes in place goes through this."""
     raw = torch.frombuffer(buffer, dtype=torch.uint8) if len(buffer) else torch.empty(0, dtype=torch.uint8)
+    return byte_views(raw, manifest)
+
+
+def byte_views(raw: Tensor, manifest: Sequence[TensorEntry]) -> list[Tensor]:
+    """The manifest's tensors as views onto a flat uint8 tensor of the wire layout, on any device
+    (a fragment staged in device memory is laid out as its wire buffer)."""
     return [raw[e.offset : e.offset + e.nbytes].view(_TORCH_DTYPES[e.dtype]).view(e.shape) for e in manifest]
 
 

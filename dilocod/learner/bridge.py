@@ -24,10 +24,10 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from dilocod.learner.arena import Arena
-from dilocod.learner.buffers import BufferPool, bytearray_buffer
+from dilocod.learner.buffers import BufferPool, bytearray_buffer, mapped_buffer
 from dilocod.wire.messages import FragmentRequest, Plan
 
 #: Fragment bytes: a bytearray of this process, or a view of memory shared with the network process.
@@ -62,6 +62,9 @@ class Adopt:
     #: From a (re)join: replaces the local fragment whatever the apply mode.
     heal: bool
     incarnation: str
+    #: The update's bytes on the training device already (a flat uint8 tensor: a GPU island's
+    #: broadcast), applied from there; None: they are in `buffer` only.
+    staged: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +134,7 @@ def newer_update(pending: Adopt | None, adopt: Adopt) -> Adopt | None:
     if pending.version > adopt.version and not adopt.heal:
         return None
     heal = adopt.heal or pending.heal
-    return Adopt(adopt.fragment, adopt.version, adopt.buffer, heal, adopt.incarnation)
+    return Adopt(adopt.fragment, adopt.version, adopt.buffer, heal, adopt.incarnation, adopt.staged)
 
 
 class TrainingSide(Protocol):
@@ -148,9 +151,13 @@ class TrainingSide(Protocol):
 
 
 class Bridge:
-    def __init__(self, arena: Arena | None = None) -> None:
+    def __init__(self, arena: Arena | None = None, *, page_aligned: bool = False) -> None:
         #: Where the fragments' first anchors are cut from (memory faulted in at start), if anywhere.
         self.arena = arena
+        #: Buffers in mappings of their own (whole pages): a GPU page-locks them (learner.device).
+        self._make: Callable[[int, int], memoryview] = mapped_buffer if page_aligned else bytearray_buffer
+        #: Called with a buffer the pool forgets (update_failed): its memory may be unpinned.
+        self.on_discard: Callable[[Buffer], None] | None = None
         #: Update and snapshot buffers, by size (the network process's bridge lends shared memory
         #: instead, its own pools).
         self.pool = BufferPool(self._local_buffer)
@@ -166,6 +173,8 @@ class Bridge:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_outbox: Callable[[], None] | None = None
         self._wake_scheduled = False
+        #: Snapshots dropped while their device copy still wrote θ: let go of once it is done.
+        self._copying: list[Snapshot] = []
 
     # ------------------------------------------------------------------ network side
 
@@ -176,7 +185,7 @@ class Bridge:
     def _local_buffer(self, bid: int, size: int) -> memoryview:
         """The pool's make: a piece of the arena for an anchor it expects, else a bytearray."""
         piece = None if self.arena is None else self.arena.take(size)
-        return bytearray_buffer(bid, size) if piece is None else piece[1]
+        return self._make(bid, size) if piece is None else piece[1]
 
     def expect_anchors(self, sizes: list[int]) -> None:
         """A new plan's fragment sizes (float32): what the arena may serve as their anchors."""
@@ -194,6 +203,8 @@ class Bridge:
         bid = self.pool.id_of(buffer)
         if bid is not None:
             self.pool.discard(bid)
+            if self.on_discard is not None:
+                self.on_discard(buffer)
 
     def post_plan(self, plan: Plan) -> None:
         with self._posted:
@@ -227,9 +238,28 @@ class Bridge:
         self.release(adopt.buffer)
 
     def snapshot_done(self, snapshot: Snapshot) -> None:
-        """The push no longer needs the snapshot's θ and anchor (it is sent, refused, or dropped)."""
+        """The push no longer needs the snapshot's θ and anchor (it is sent, refused, or dropped).
+        One dropped while its device copy still writes θ (replaced before the network took it)
+        keeps both until the copy is done: its buffer is not reused under the copy."""
+        if snapshot.ready is not None and not snapshot.ready.done():
+            with self._lock:
+                self._copying.append(snapshot)
+            return
         self.release(snapshot.theta)
         self.release(snapshot.anchor)
+
+    def _settle_copies(self) -> None:
+        """Let go of the dropped snapshots whose device copies are done (never waits)."""
+        with self._lock:
+            copying, self._copying = self._copying, []
+        for snapshot in copying:
+            self.snapshot_done(snapshot)
+
+    @property
+    def copying(self) -> int:
+        """Dropped snapshots whose device copies have not finished yet."""
+        with self._lock:
+            return len(self._copying)
 
     def post_request(self, request: FragmentRequest) -> None:
         with self._posted:
@@ -247,6 +277,8 @@ class Bridge:
             self._lost.append(lost)
 
     def drain(self) -> tuple[list[Snapshot], list[StepReportItem]]:
+        if self._copying:
+            self._settle_copies()
         with self._lock:
             snapshots = [self._snapshots.pop(k) for k in sorted(self._snapshots)]
             steps = list(self._steps)
@@ -289,6 +321,8 @@ class Bridge:
             self._snapshots[snapshot.fragment] = snapshot
         if replaced is not None:
             self.snapshot_done(replaced)
+        if self._copying:
+            self._settle_copies()
         if wake:
             self._wake()
 

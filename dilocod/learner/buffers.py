@@ -15,6 +15,7 @@ thread, the event loop and the push worker hold and release). Must not import to
 from __future__ import annotations
 
 import itertools
+import mmap
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +38,12 @@ class Lease:
 def bytearray_buffer(bid: int, size: int) -> memoryview:
     """A pool's default make: memory of this process."""
     return memoryview(bytearray(size))
+
+
+def mapped_buffer(bid: int, size: int) -> memoryview:
+    """A pool's make for memory a GPU copies to and from: an anonymous mapping of its own, whole
+    pages that no other buffer shares (page-locking one locks nothing else; learner.device)."""
+    return memoryview(mmap.mmap(-1, max(size, 1)))[:size]
 
 
 class BufferPool:

@@ -166,7 +166,7 @@ def _run(setup: LearnerSetup, device: torch.device, island: Island | None, notif
     if in_process:
         bridge, side, side_child = open_network_process()
     else:
-        bridge = Bridge(arena)
+        bridge = Bridge(arena, page_aligned=device.type == "cuda")
         link = Link(setup.link, model, bridge)
 
     def link_stats() -> dict[str, Any]:
@@ -190,6 +190,8 @@ def _run(setup: LearnerSetup, device: torch.device, island: Island | None, notif
         }
 
     loop = TrainingLoop(setup.runtime, trainer, bridge, device, setup.link.learner_id, island, network_status)
+    if isinstance(bridge, Bridge):
+        bridge.on_discard = loop.copier.forget  # a discarded buffer's memory is unpinned
     try:
         # The factory's initial state, before anything connects: a state that the next start could
         # not load is found now, not by the restart that follows the first save.

@@ -42,6 +42,7 @@ from dilocod.learner.bridge import (
     stale_under,
 )
 from dilocod.learner.cadence import Cadence, InFlight, Lateness
+from dilocod.learner.device import Copier, Staged, clock_for, copier_for
 from dilocod.learner.entry import EntryError, check_step_result, step_failed
 from dilocod.learner.island import Island
 from dilocod.learner.layout import FragmentLayout, layouts_for
@@ -54,6 +55,7 @@ from dilocod.learner.state import (
     save_local_state,
 )
 from dilocod.outer import apply_update_
+from dilocod.precision import byte_views
 from dilocod.wire.codecs import checksum
 from dilocod.wire.messages import FragmentRequest
 
@@ -90,77 +92,6 @@ class Progress:
     started: float = field(default_factory=time.monotonic)
 
 
-class HostCopier:
-    """Copies a fragment's parameters into a wire-layout float32 host buffer.
-
-    On the CPU it is a plain copy. On CUDA the copy runs on a side stream into page-locked memory
-    (non-blocking, ordered after the step that produced the values); the main stream waits for it
-    before the next step changes the parameters, and the network thread waits on its event before
-    reading the bytes, so the training thread itself never blocks on it.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._on_cpu = device.type == "cpu"  # read at every apply: torch.device.type is not free
-
-    def copy_out(
-        self, layout: FragmentLayout, allocate: Callable[[int], Buffer] = bytearray
-    ) -> tuple[Buffer, CopyInFlight | None]:
-        """The fragment's parameters in wire layout, in a buffer from allocate(size)."""
-        buffer = allocate(layout.raw_bytes)
-        if not layout.raw_bytes:
-            return buffer, None
-        views = layout.views(buffer)
-        if self._stream is None:
-            with torch.no_grad():
-                for view, param in zip(views, layout.params, strict=True):
-                    view.copy_(param)
-            return buffer, None
-        host = torch.frombuffer(buffer, dtype=torch.uint8)
-        cudart = torch.cuda.cudart()
-        cudart.cudaHostRegister(host.data_ptr(), layout.raw_bytes, 0)
-        main = torch.cuda.current_stream(self.device)
-        self._stream.wait_stream(main)
-        with torch.no_grad(), torch.cuda.stream(self._stream):
-            for view, param in zip(views, layout.params, strict=True):
-                view.copy_(param.detach().to(torch.float32), non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self._stream)
-        main.wait_event(done)
-        return buffer, _DeviceCopy(done, host.data_ptr())
-
-    def to_device(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        return tensors if self._on_cpu else [t.to(self.device) for t in tensors]
-
-
-class _DeviceCopy:
-    """A copy on the side stream (HostCopier.copy_out), with its host memory registered as
-    page-locked until the copy has finished."""
-
-    def __init__(self, event: torch.cuda.Event, host_ptr: int) -> None:
-        self._event = event
-        self._host_ptr = host_ptr
-        self._lock = threading.Lock()  # done() and wait() may race from two threads
-        self._finished = False
-
-    def done(self) -> bool:
-        if not self._finished and self._event.query():
-            self._finish()
-        return self._finished
-
-    def wait(self) -> None:
-        if not self._finished:
-            self._event.synchronize()
-            self._finish()
-
-    def _finish(self) -> None:
-        with self._lock:
-            if not self._finished:
-                torch.cuda.cudart().cudaHostUnregister(self._host_ptr)
-                self._finished = True
-
-
 class TrainingLoop:
     def __init__(
         self,
@@ -171,6 +102,7 @@ class TrainingLoop:
         learner_id: str,
         island: Island | None = None,
         network_status: Callable[[], dict[str, Any]] | None = None,
+        copier: Copier | None = None,
     ) -> None:
         self.config = config
         #: What the network thread last knew (connection, bytes, round latency), for progress lines.
@@ -181,7 +113,9 @@ class TrainingLoop:
         self.trainer = trainer
         self.bridge = bridge
         self.learner_id = learner_id
-        self.copier = HostCopier(device)
+        #: Snapshots out and updates in, between the parameters' device and host buffers.
+        self.copier = copier if copier is not None else copier_for(device)
+        self.clock = clock_for(self.copier)
         self.layouts: list[FragmentLayout] = []
         self.anchors: dict[int, Buffer] = {}
         self.versions: dict[int, int] = {}
@@ -297,15 +231,18 @@ class TrainingLoop:
 
     def run(self, stop: threading.Event) -> None:
         """Train until stop is set or --steps are done; saves the local state on the way out."""
-        self._wait_for_first_heal(stop)
         try:
-            self._train(stop)
-        except LocalStateError:
-            raise  # a save failed: another would fail the same way
-        except BaseException:
-            self._save_on_the_way_out()
-            raise
-        self.save()
+            self._wait_for_first_heal(stop)
+            try:
+                self._train(stop)
+            except LocalStateError:
+                raise  # a save failed: another would fail the same way
+            except BaseException:
+                self._save_on_the_way_out()
+                raise
+            self.save()
+        finally:
+            self.copier.close()  # the copies still running finish; their buffers go back
 
     @property
     def overlap(self) -> int:
@@ -344,6 +281,7 @@ class TrainingLoop:
         """The step boundary: applies, then snapshots (module docstring). Lock-step waits happen
         here, each bounded by join_timeout_s; `stop` ends them early."""
         stop = stop if stop is not None else threading.Event()
+        self.copier.settle()
         self._take()
         cadence = self.cadence
         if cadence is not None and not cadence.lockstep:
@@ -379,7 +317,7 @@ class TrainingLoop:
         """Everything the network posted (shared by rank 0 in an island) into the loop's state."""
         inbox = self.bridge.take() if self.leader else Inbox()
         if self.island is not None:
-            inbox = self.island.share(inbox)
+            inbox = self.island.share(inbox, self.copier)
         if inbox.fatal is not None:
             raise LearnerStopped(inbox.fatal)
         if inbox.plan is not None:
@@ -394,7 +332,7 @@ class TrainingLoop:
             self.requests.clear()
             for fragment, adopt in list(self.held.items()):
                 if stale_under(plan, adopt):
-                    self._let_go(adopt.buffer)
+                    self._drop(adopt)
                     del self.held[fragment]
             for fragment in [p for p in self.anchors if p >= len(self.layouts)]:
                 self._let_go(self.anchors.pop(fragment))  # no such fragment under the new plan
@@ -408,11 +346,11 @@ class TrainingLoop:
             pending = self.held.get(adopt.fragment)
             kept = newer_update(pending, adopt)
             if kept is None:
-                self._let_go(adopt.buffer)
+                self._drop(adopt)
                 continue
             self.held[adopt.fragment] = kept
             if pending is not None and pending.buffer is not kept.buffer:
-                self._let_go(pending.buffer)
+                self._drop(pending)
         for request in inbox.requests:
             self.requests[request.fragment] = request  # a newer round of a fragment replaces the older
             self.newest_request = max(self.newest_request, request.round)
@@ -529,15 +467,16 @@ class TrainingLoop:
         return ready()
 
     def one_step(self) -> None:
-        started = time.monotonic()
+        self.clock.start()
         try:
             returned = self.trainer.step(self.step_index)
         except Exception as exc:
             raise step_failed(self.config.entry, self.step_index, exc) from exc
+        # On a GPU the device's time per step, read a step or so late (learner.device.DeviceClock).
+        elapsed = self.clock.stop()
         # Checked as soon as it is returned, the first step's included: a wrong type is an entry
         # error (exit 78), not a crash that a restart would repeat.
         result = check_step_result(self.config.entry, self.step_index, returned)
-        elapsed = time.monotonic() - started
         tokens = result.tokens if self.island is None else self.island.total(result.tokens)
         self.step_index += 1
         self.progress.steps += 1
@@ -548,13 +487,19 @@ class TrainingLoop:
 
     def _let_go(self, buffer: Buffer) -> None:
         """This loop no longer reads an update's buffer (rank 0's came from the bridge; the other
-        ranks of an island have their own copies)."""
+        ranks of an island have their own copies): it goes back once no device copy reads it."""
         if self.leader:
-            self.bridge.release(buffer)
+            self.copier.let_go(buffer, lambda: self.bridge.release(buffer))
+
+    def _drop(self, adopt: Adopt) -> None:
+        """An update that will not be applied: its buffer goes back, and its device copy if any."""
+        self._let_go(adopt.buffer)
+        if adopt.staged is not None:
+            self.copier.done(Staged([], adopt.staged))
 
     def _apply(self, adopt: Adopt) -> None:
         if adopt.fragment >= len(self.layouts):
-            self._let_go(adopt.buffer)
+            self._drop(adopt)
             return
         sent = self.in_flight.get(adopt.fragment)
         if sent is not None and (adopt.heal or adopt.version > sent.base_version):
@@ -565,12 +510,19 @@ class TrainingLoop:
                 self.lateness.apply(late)
                 self.apply_late[adopt.fragment] = late
         layout = self.layouts[adopt.fragment]
-        new = self.copier.to_device(layout.views(adopt.buffer))
+        # Where the parameters are: on a GPU copied in on a side stream that the training stream
+        # waits for on the device (learner.device), or there already (an island's broadcast).
+        staged = (
+            self.copier.stage(layout, adopt.buffer)
+            if adopt.staged is None
+            else Staged(byte_views(adopt.staged, layout.manifest), adopt.staged)
+        )
         mode = self._mode(adopt.fragment, heal=adopt.heal)
         sent = self.sent.get(adopt.fragment) if mode == "keep-local" else None
-        apply_update_(list(layout.params), new, mode, alpha=self.config.mix_alpha, sent=sent)
-        # Read no more once applied (a copy to the device is complete when to() returns): the
-        # anchor it replaces goes back, and a push still computed from that one holds it.
+        apply_update_(list(layout.params), staged.views, mode, alpha=self.config.mix_alpha, sent=sent)
+        self.copier.done(staged)
+        # The anchor it replaces goes back once no copy reads it (_let_go), and a push still
+        # computed from that one holds it.
         replaced = self.anchors.get(adopt.fragment)
         self.anchors[adopt.fragment] = adopt.buffer
         if replaced is not None and replaced is not adopt.buffer:

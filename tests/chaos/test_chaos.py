@@ -50,9 +50,9 @@ import pytest
 
 from .harness import LEARNERS, SURVIVOR, TAIL_CHECKPOINTS, ChaosPlan, ChaosReport, ChaosRun
 
-#: 135 s (the harness's schedule is in fractions of it; the bench runs 150 s): about 135 network
+#: 120 s (the harness's schedule is in fractions of it; the bench runs 150 s): about 120 network
 #: faults, and the suite inside its time.
-DURATION_S = 135.0
+DURATION_S = 120.0
 #: Both runs happen in the first test that needs them: far above their ~3 min each.
 TIMEOUT_S = 900
 MIN_FAULTS = 100

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from dilocod.contract import StepResult, Trainer
 from dilocod.learner.bridge import Adopt, Bridge, LostPush
+from dilocod.learner.device import Copier, DeviceCopier, DeviceCopy
 from dilocod.learner.entry import EntryError, StepFailed
 from dilocod.learner.layout import PlanMismatch, model_entries
 from dilocod.learner.link import compute_push
@@ -33,11 +34,19 @@ from dilocod.learner.state import STATE_FILE, LocalStateError
 from dilocod.wire.codecs import checksum
 from dilocod.wire.manifest import ModelEntry, TensorEntry, pack_manifest, piece_rows
 from dilocod.wire.messages import FragmentRequest, Plan
+from tests.unit.device_standins import StandInStreams, recording_pins
 
 ENTRY = "tests_rig:make_trainer"
 INCARNATION = "inc-1"
 DEADLINE_S = 10.0
 CPU = torch.device("cpu")
+#: The device paths a test runs on: the CPU's, and the GPU's with CPU stand-ins of its streams
+#: (tests/unit/device_standins.py): the same parameters, bit for bit.
+PATHS = pytest.mark.parametrize("path", ["host", "staged"])
+
+
+def copier_of(path: str) -> Copier | None:
+    return None if path == "host" else DeviceCopier(CPU, StandInStreams(), recording_pins()[0])
 
 
 # ---------------------------------------------------------------------------- the user's side
@@ -164,6 +173,7 @@ def rig(
     join_timeout_s: float = DEADLINE_S,
     seed: int = 0,
     quorum: int = 1,
+    path: str = "host",
 ) -> Rig:
     job = Job(seed)
     config = RuntimeConfig(
@@ -175,7 +185,7 @@ def rig(
         join_timeout_s=join_timeout_s,
     )
     bridge = Bridge()
-    loop = TrainingLoop(config, job.trainer(), bridge, CPU, "m0")
+    loop = TrainingLoop(config, job.trainer(), bridge, CPU, "m0", copier=copier_of(path))
     # Whole parameters, so that values here are keyed by name: the first parameter alone, then the
     # rest (row slices are the layout's business, tests/unit/test_learner_layout.py).
     entries = model_entries(job.model)
@@ -235,8 +245,9 @@ def assert_params(job: Job, want: Mapping[str, Tensor]) -> None:
 # ---------------------------------------------------------------------------- healing
 
 
-def test_heal_adopts_every_fragment_bit_exactly_whatever_the_mode() -> None:
-    r = rig(apply="mix", mix_alpha=0.5, overlap=1)
+@PATHS
+def test_heal_adopts_every_fragment_bit_exactly_whatever_the_mode(path: str) -> None:
+    r = rig(apply="mix", mix_alpha=0.5, overlap=1, path=path)
     assert len(r.fragments) == 2 and len(r.fragments[1]) > 1  # padding between tensors on the wire
     values = r.heal(versions=(3, 5))
     r.loop.boundary()
@@ -280,8 +291,9 @@ def test_a_model_unlike_the_syncers_is_named() -> None:
 # ---------------------------------------------------------------------------- snapshots and pushes
 
 
-def test_request_snapshots_the_fragment_at_the_step_boundary() -> None:
-    r = rig()
+@PATHS
+def test_request_snapshots_the_fragment_at_the_step_boundary(path: str) -> None:
+    r = rig(path=path)
     values = r.heal(versions=(3, 5))
     r.loop.boundary()
     for _ in range(3):
@@ -300,7 +312,8 @@ def test_request_snapshots_the_fragment_at_the_step_boundary() -> None:
     assert (snap.c_steps, snap.c_tokens) == (3, 10 + 11 + 12)
     assert bytes(snap.theta) == bytes(pack(names, now))  # wire layout, padding zero, bit-exact
     assert snap.anchor is r.heal_buffers[1]
-    assert snap.ready is None  # CPU: the copy is complete
+    # CPU: the copy is complete; staged, the network waits for the side stream's event.
+    assert snap.ready is None if path == "host" else isinstance(snap.ready, DeviceCopy)
     assert r.loop.awaiting == {1}
 
     # The snapshot is a copy: later steps do not move it.
@@ -439,8 +452,9 @@ def test_request_before_healing_is_not_answered() -> None:
 # ---------------------------------------------------------------------------- apply modes
 
 
-def test_overwrite_adopts_the_merged_fragment_and_leaves_the_others() -> None:
-    r = rig(apply="overwrite")
+@PATHS
+def test_overwrite_adopts_the_merged_fragment_and_leaves_the_others(path: str) -> None:
+    r = rig(apply="overwrite", path=path)
     r.heal()
     r.loop.boundary()
     r.loop.one_step()
@@ -454,9 +468,10 @@ def test_overwrite_adopts_the_merged_fragment_and_leaves_the_others() -> None:
     assert r.loop.anchors[0] is buffer and r.loop.versions == {0: 4, 1: 5}
 
 
-def test_mix_blends_local_and_merged() -> None:
+@PATHS
+def test_mix_blends_local_and_merged(path: str) -> None:
     alpha = 0.25
-    r = rig(apply="mix", mix_alpha=alpha)
+    r = rig(apply="mix", mix_alpha=alpha, path=path)
     r.heal()
     r.loop.boundary()
     r.loop.one_step()
@@ -475,8 +490,9 @@ def test_mix_blends_local_and_merged() -> None:
     assert r.loop.anchors[1] is not None and r.loop.versions[1] == 6
 
 
-def test_keep_local_keeps_the_steps_taken_while_the_fragment_was_away() -> None:
-    r = rig(apply="keep-local")
+@PATHS
+def test_keep_local_keeps_the_steps_taken_while_the_fragment_was_away(path: str) -> None:
+    r = rig(apply="keep-local", path=path)
     r.heal()
     r.loop.boundary()
     r.loop.one_step()
@@ -859,8 +875,9 @@ class ConstantJob:
         return Trainer(self.model, None, self.step)
 
 
+@PATHS
 @pytest.mark.parametrize("apply", ["keep-local", "mix"])
-def test_every_push_holds_exactly_the_steps_and_tokens_it_reports(apply: str) -> None:
+def test_every_push_holds_exactly_the_steps_and_tokens_it_reports(apply: str, path: str) -> None:
     """The syncer here sends back what was pushed (Θ_new = θ_sent), late, sometimes at the very
     boundary of the fragment's next request: the case where main pushed 0 steps (weight 0) and
     the next keep-local apply dropped them. Every push must report the steps since the fragment's
@@ -870,7 +887,7 @@ def test_every_push_holds_exactly_the_steps_and_tokens_it_reports(apply: str) ->
     job = ConstantJob()
     config = RuntimeConfig(entry=ENTRY, apply=apply, mix_alpha=alpha)
     bridge = Bridge()
-    loop = TrainingLoop(config, job.trainer(), bridge, CPU, "m0")
+    loop = TrainingLoop(config, job.trainer(), bridge, CPU, "m0", copier=copier_of(path))
     fragments = (("weight",), ("bias",))
     shapes = {n: p.shape for n, p in job.model.named_parameters()}
     pieces = tuple(tuple((n, 0, piece_rows(shapes[n])) for n in names) for names in fragments)

@@ -730,6 +730,12 @@ def _exported_line(exported: ExportedCheckpoint) -> str:
     "--apply", help="overwrite, mix or keep-local: how merged fragments are applied.  [default: overwrite]"
 )
 @click.option("--mix-alpha", help="Weight of the local fragment in --apply mix.  [default: 0.5]")
+@click.option(
+    "--anchors",
+    help="On a GPU, where each fragment's anchor (its last merged value) is kept: host (pinned host "
+    "memory) or device (one model of GPU memory in float32; outer gradients are computed there and "
+    "the host keeps none). On the CPU both are host memory.  [default: host]",
+)
 @click.option("--secret-file", help="File holding the shared secret (at least 16 bytes).")
 @click.option("--insecure", is_flag=True, default=None, help="Connect without authentication.")
 @click.option("--tls-cert", help="Mutual TLS: this learner's certificate chain (PEM).")
@@ -794,6 +800,7 @@ def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: An
             entry=config.entry,
             apply=config.apply,
             mix_alpha=config.mix_alpha,
+            anchors=config.anchors,
             steps=config.steps,
             state_dir=config.state_dir,
             save_every_s=config.save_every_s,

@@ -409,6 +409,8 @@ class LearnerConfig:
     precision: str = "fp32"
     apply: str = "overwrite"
     mix_alpha: float = 0.5
+    #: On a GPU, where the anchors live: "host" or "device" (learner.runtime.RuntimeConfig.anchors).
+    anchors: str = "host"
     secret_file: Path | None = None
     insecure: bool = False
     #: Mutual TLS: this learner's certificate chain and key, and the CA that signs the syncer's.
@@ -438,6 +440,7 @@ LEARNER_FIELDS: dict[str, Parse] = {
     "precision": _text(PRECISIONS),
     "apply": _text(APPLY_MODES),
     "mix_alpha": _number(0.0, 1.0),
+    "anchors": _text(("host", "device")),
     "secret_file": _path,
     "insecure": _flag,
     "tls_cert": _path,

@@ -85,6 +85,9 @@ class Snapshot:
     #: merge (None: not measured), for the push header.
     step: int | None = None
     apply_late: int | None = None
+    #: theta holds δ = anchor - θ already, computed where the anchor lives (a GPU learner's
+    #: --anchors device); anchor is then empty.
+    delta: bool = False
 
     @property
     def empty(self) -> bool:

@@ -162,7 +162,9 @@ def _run(setup: LearnerSetup, device: torch.device, island: Island | None, notif
     side: SideReader | None = None
     # The anchors' memory, faulted in before the Link joins (dilocod.learner.arena); an island's
     # other ranks never run a Link.
-    arena = anchors_ready(model, shared=in_process) if leader else None
+    # With its anchors on a GPU (--anchors device) the host keeps none.
+    device_anchors = setup.runtime.anchors == "device" and device.type == "cuda"
+    arena = anchors_ready(model, shared=in_process) if leader and not device_anchors else None
     if in_process:
         bridge, side, side_child = open_network_process()
     else:

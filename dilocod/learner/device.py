@@ -303,10 +303,14 @@ class Copier(Protocol):
     """What the training loop asks of its device path."""
 
     def copy_out(
-        self, layout: FragmentLayout, allocate: Callable[[int], Buffer]
+        self,
+        layout: FragmentLayout,
+        allocate: Callable[[int], Buffer],
+        anchor: torch.Tensor | None = None,
     ) -> tuple[Buffer, CopyInFlight | None]:
-        """The fragment's parameters in wire layout (float32), in a buffer from allocate(size);
-        with the copy still running when the second item is not None."""
+        """The fragment's parameters in wire layout (float32), in a buffer from allocate(size), or
+        with `anchor` (its bytes in wire layout, where the parameters are) the outer gradient
+        δ = anchor - θ; with the copy still running when the second item is not None."""
         ...
 
     def stage(self, layout: FragmentLayout, buffer: Buffer) -> Staged:
@@ -339,12 +343,13 @@ class HostCopier:
     """The CPU's device path: the parameters are host memory already."""
 
     def copy_out(
-        self, layout: FragmentLayout, allocate: Callable[[int], Buffer] = bytearray
+        self,
+        layout: FragmentLayout,
+        allocate: Callable[[int], Buffer] = bytearray,
+        anchor: torch.Tensor | None = None,
     ) -> tuple[Buffer, CopyInFlight | None]:
         buffer = allocate(layout.raw_bytes)
-        with torch.no_grad():
-            for view, param in zip(layout.views(buffer), layout.params, strict=True):
-                view.copy_(param)
+        _fill(layout.views(buffer), layout, anchor)
         return buffer, None
 
     def stage(self, layout: FragmentLayout, buffer: Buffer) -> Staged:
@@ -366,6 +371,20 @@ class HostCopier:
         pass
 
 
+def _fill(views: list[torch.Tensor], layout: FragmentLayout, anchor: torch.Tensor | None) -> None:
+    """The fragment's parameters into views of its wire layout (float32), or with `anchor` the
+    outer gradient anchor - θ: float32 subtraction element by element, the parameter upcast exactly
+    first, the same bits as the network's (learner.delta) but for NaN payloads."""
+    with torch.no_grad():
+        if anchor is None:
+            for view, param in zip(views, layout.params, strict=True):
+                view.copy_(param)
+            return
+        anchors = byte_views(anchor, layout.manifest)
+        for view, param, held in zip(views, layout.params, anchors, strict=True):
+            torch.sub(held, param, out=view)
+
+
 class DeviceCopier:
     """A GPU's device path (module docstring): snapshots staged on the device and copied out on a
     side stream, updates copied in on it from pinned memory, staging buffers reused."""
@@ -385,18 +404,20 @@ class DeviceCopier:
         return cls(device, CudaStreams(device), HostPins.for_cuda())
 
     def copy_out(
-        self, layout: FragmentLayout, allocate: Callable[[int], Buffer]
+        self,
+        layout: FragmentLayout,
+        allocate: Callable[[int], Buffer],
+        anchor: torch.Tensor | None = None,
     ) -> tuple[Buffer, CopyInFlight | None]:
         buffer = allocate(layout.raw_bytes)
         if not layout.raw_bytes:
             return buffer, None
         self.pins.pin(buffer)
         flat = self.slots.take(layout.raw_bytes)
+        # On the training stream, ordered after the step that made the values: device to device,
+        # into the float32 wire layout (the padding stays the slot's zeros, or the anchor's).
+        _fill(byte_views(flat, layout.manifest), layout, anchor)
         with torch.no_grad():
-            # On the training stream, ordered after the step that made the values: device to
-            # device, into the float32 wire layout (the padding stays the slot's zeros).
-            for view, param in zip(byte_views(flat, layout.manifest), layout.params, strict=True):
-                view.copy_(param)
             staged = self.streams.record_main()
             self.streams.side_waits(staged)
             host = torch.frombuffer(buffer, dtype=torch.uint8)

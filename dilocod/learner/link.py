@@ -218,9 +218,14 @@ def compute_push(
     if snapshot.ready is not None:
         snapshot.ready.wait()  # the push worker's thread: waiting here costs training nothing
     out: Buffer = snapshot.theta if in_place else bytearray(len(snapshot.theta))
-    # The whole fragment at once (padding included: zero in both, zero in δ), written straight
-    # into the bytes that go on the wire; torch only for a lossy precision (see learner.delta).
-    fragment_delta_(snapshot.anchor, snapshot.theta, out)
+    if snapshot.delta:
+        # Computed where the anchor lives (a GPU's --anchors device): theta holds δ already.
+        if out is not snapshot.theta:
+            out[:] = snapshot.theta
+    else:
+        # The whole fragment at once (padding included: zero in both, zero in δ), written straight
+        # into the bytes that go on the wire; torch only for a lossy precision (see learner.delta).
+        fragment_delta_(snapshot.anchor, snapshot.theta, out)
     if precision != "fp32":
         manifest, out = encode_lossy(out, manifest, precision, residual)
     return manifest, out, chunk_checksums(out, chunk_bytes)

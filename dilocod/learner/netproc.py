@@ -132,6 +132,11 @@ _CUT_SHORT = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)
 _ANCILLARY_BYTES = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
 
 
+#: A snapshot note's anchor id when the training side computed δ itself (Snapshot.delta): the
+#: snapshot's buffer holds the outer gradient, and no anchor of the child's is named.
+DELTA_IN_THETA = -2
+
+
 class NetworkProcessError(RuntimeError):
     """The network process is gone or spoke out of turn; the learner cannot sync without it."""
 
@@ -507,7 +512,7 @@ class ProcessBridge:
                 view[:] = snapshot.theta
                 lent = self._lent_views.pop(id(view))
             bid = lent[0]
-            anchor = self._anchor_id(snapshot.anchor)
+            anchor = DELTA_IN_THETA if snapshot.delta else self._anchor_id(snapshot.anchor)
             if anchor >= 0:
                 noted.append(anchor)
             notes.append(
@@ -971,6 +976,10 @@ class ChildBridge(Bridge):
                         step=step,
                         apply_late=late,
                     )
+                    if int(anchor_bid) == DELTA_IN_THETA:
+                        # δ computed where the anchor lives (--anchors device): no anchor here.
+                        self.send_snapshot(dataclasses.replace(snapshot, delta=True), wake=False)
+                        continue
                     self._snapshot(snapshot, int(anchor_bid))
                 # After the snapshots, which hold the anchors they name: what the parent gives
                 # back here may be one of them, and must not be reused while a push reads it.

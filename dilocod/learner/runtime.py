@@ -76,6 +76,10 @@ class RuntimeConfig:
     save_every_s: float = 300.0
     join_timeout_s: float = 60.0
     progress_every_s: float = 5.0
+    #: Where a GPU learner keeps its anchors: "host" (the update's buffer, as received) or
+    #: "device" (the update's staging buffer on the GPU, one model of device memory in float32:
+    #: outer gradients are computed there and the host keeps no anchor). On the CPU both are host.
+    anchors: str = "host"
 
 
 @dataclass(slots=True)
@@ -118,6 +122,9 @@ class TrainingLoop:
         self.clock = clock_for(self.copier)
         self.layouts: list[FragmentLayout] = []
         self.anchors: dict[int, Buffer] = {}
+        #: --anchors device on a GPU: each fragment's anchor as a device buffer (wire layout, flat
+        #: uint8), in place of a host one; outer gradients are computed on the device.
+        self.device_anchors: dict[int, torch.Tensor] = {}
         self.versions: dict[int, int] = {}
         #: progress.steps and progress.tokens when each fragment was last sent (or healed): a
         #: push's counters are the differences (no per-fragment work at every step, whatever P).
@@ -336,7 +343,10 @@ class TrainingLoop:
                     del self.held[fragment]
             for fragment in [p for p in self.anchors if p >= len(self.layouts)]:
                 self._let_go(self.anchors.pop(fragment))  # no such fragment under the new plan
-                self.versions.pop(fragment, None)
+            for fragment in [p for p in self.device_anchors if p >= len(self.layouts)]:
+                self.copier.done(Staged([], self.device_anchors.pop(fragment)))
+            for fragment in [p for p in self.versions if p >= len(self.layouts)]:
+                del self.versions[fragment]
             self.given_up.clear()
             self.next_round, self.newest_request = plan.next_round, -1
             self.incarnation = plan.incarnation
@@ -520,13 +530,22 @@ class TrainingLoop:
         mode = self._mode(adopt.fragment, heal=adopt.heal)
         sent = self.sent.get(adopt.fragment) if mode == "keep-local" else None
         apply_update_(list(layout.params), staged.views, mode, alpha=self.config.mix_alpha, sent=sent)
-        self.copier.done(staged)
-        # The anchor it replaces goes back once no copy reads it (_let_go), and a push still
-        # computed from that one holds it.
-        replaced = self.anchors.get(adopt.fragment)
-        self.anchors[adopt.fragment] = adopt.buffer
-        if replaced is not None and replaced is not adopt.buffer:
-            self._let_go(replaced)
+        if self.leader and self.config.anchors == "device" and staged.flat is not None:
+            # The staging buffer is the anchor (the update's bytes, on the device); the one it
+            # replaces is reused after the work queued so far, and the host keeps none.
+            replaced_flat = self.device_anchors.get(adopt.fragment)
+            self.device_anchors[adopt.fragment] = staged.flat
+            if replaced_flat is not None:
+                self.copier.done(Staged([], replaced_flat))
+            self._let_go(adopt.buffer)
+        else:
+            self.copier.done(staged)
+            # The anchor it replaces goes back once no copy reads it (_let_go), and a push still
+            # computed from that one holds it.
+            replaced = self.anchors.get(adopt.fragment)
+            self.anchors[adopt.fragment] = adopt.buffer
+            if replaced is not None and replaced is not adopt.buffer:
+                self._let_go(replaced)
         self.versions[adopt.fragment] = adopt.version
         if mode == "overwrite":
             # The local progress on this fragment is gone (a heal, or --apply overwrite): the next
@@ -551,7 +570,7 @@ class TrainingLoop:
         return self.progress.steps - steps_at, self.progress.tokens - tokens_at
 
     def _snapshot(self, fragment: int, round_index: int) -> None:
-        if fragment >= len(self.layouts) or fragment not in self.anchors:
+        if fragment >= len(self.layouts) or fragment not in self.versions:
             return  # not healed yet: nothing meaningful to push
         c_steps, c_tokens = self.counters(fragment)
         cadence = self.cadence
@@ -559,12 +578,17 @@ class TrainingLoop:
         self.lateness.snapshot(late)
         if self.leader:
             # Every rank of an island holds the same parameters: rank 0 speaks for all of them.
+            # With its anchor on the device, the outer gradient is computed there (δ in theta's
+            # place, and no host anchor); else θ is copied out and the network computes δ.
+            on_device = self.device_anchors.get(fragment)
             if c_steps == 0:
                 # Nothing new since the last send: NOTHING_TO_PUSH, not a push of zeros.
                 theta: Buffer = bytearray()
                 ready: CopyInFlight | None = None
             else:
-                theta, ready = self.copier.copy_out(self.layouts[fragment], self.bridge.snapshot_buffer)
+                theta, ready = self.copier.copy_out(
+                    self.layouts[fragment], self.bridge.snapshot_buffer, anchor=on_device
+                )
             snapshot = Snapshot(
                 fragment,
                 round_index,
@@ -572,10 +596,11 @@ class TrainingLoop:
                 c_steps,
                 c_tokens,
                 theta,
-                self.anchors[fragment] if c_steps else bytearray(),
+                self.anchors[fragment] if c_steps and on_device is None else bytearray(),
                 ready,
                 step=self.step_index,
                 apply_late=self.apply_late.pop(fragment, None) if c_steps else None,
+                delta=c_steps > 0 and on_device is not None,
             )
             self.bridge.send_snapshot(snapshot, wake=False)
         if c_steps == 0:
@@ -599,14 +624,14 @@ class TrainingLoop:
         deadline = time.monotonic() + self.config.join_timeout_s
         while True:
             self.boundary(stop)
-            healed = bool(self.layouts) and len(self.anchors) == len(self.layouts)
+            healed = bool(self.layouts) and len(self.versions) == len(self.layouts)
             # Rank 0 decides (its deadline, its network); any rank's stop ends the wait for all.
             waiting = not healed and time.monotonic() < deadline if self.leader else not healed
             if not self._agree(waiting and not stop.is_set()):
                 break
             if self.leader:
                 self.bridge.wait(min(1.0, max(0.0, deadline - time.monotonic())))
-        if self.layouts and len(self.anchors) == len(self.layouts):
+        if self.layouts and len(self.versions) == len(self.layouts):
             log.info("healed", fragments=len(self.layouts), versions=sum(self.versions.values()))
         elif not stop.is_set():
             log.warning(
@@ -623,10 +648,17 @@ class TrainingLoop:
             step=self.step_index,
             incarnation=self.incarnation,
             versions=[self.versions.get(p) for p in fragments],
-            digests=[f"{checksum(self.anchors[p]):016x}" if p in self.anchors else None for p in fragments],
+            digests=[self._digest(p) for p in fragments],
             # How late (steps) its snapshots and applies were over the whole run: 0 in lock-step.
             **self.lateness.summary(),
         )
+
+    def _digest(self, fragment: int) -> str | None:
+        """The xxh3-64 of the bytes of the fragment's anchor (a device anchor is read back: once,
+        at the end), None if it has none."""
+        if fragment in self.device_anchors:
+            return f"{checksum(self.device_anchors[fragment].cpu().numpy()):016x}"
+        return f"{checksum(self.anchors[fragment]):016x}" if fragment in self.anchors else None
 
     def _report_progress(self, now: float) -> None:
         elapsed = max(now - self.progress.started, 1e-9)

@@ -63,6 +63,7 @@ SAMPLE_VALUES: dict[str, object] = {
     "update_precision": "bf16",
     "apply": "mix",
     "mix_alpha": 0.25,
+    "anchors": "device",
     "save_every_s": 30,
     "join_timeout_s": 5,
     "progress_every_s": 2,

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from dilocod.learner.bridge import Bridge, Snapshot
+from dilocod.learner.delta import fragment_delta_
 from dilocod.learner.device import (
     MAX_PENDING_STEP_EVENTS,
     DeviceClock,
@@ -153,6 +154,26 @@ def test_a_staged_snapshot_holds_the_cpu_paths_bytes_and_training_never_waits(fr
     ready.wait()  # the network's thread: the copy's own event
     assert copied.synchronized and ready.done()
     assert copier.pins.pinned == 1
+
+
+@pytest.mark.parametrize("fragment", [0, 1])
+def test_an_outer_gradient_computed_on_the_device_is_the_networks_bit_for_bit(fragment: int) -> None:
+    """--anchors device: δ = anchor - θ on the training stream, in the slot, against the network's
+    float32 subtraction over the host copy (learner.delta), parameters of three dtypes."""
+    _model, layouts = mixed_layouts()
+    layout = layouts[fragment]
+    anchor_bytes = bytearray(layout.raw_bytes)
+    generator = torch.Generator().manual_seed(fragment)
+    for view in layout.views(anchor_bytes):
+        view.copy_(torch.randn(view.shape, generator=generator))
+    theta, _ = HostCopier().copy_out(layout, bytearray)
+    want = bytearray(layout.raw_bytes)
+    fragment_delta_(anchor_bytes, theta, want)
+    copier, streams = staged_copier()
+    anchor = torch.frombuffer(bytearray(anchor_bytes), dtype=torch.uint8)  # where the parameters are
+    got, ready = copier.copy_out(layout, bytearray, anchor=anchor)
+    assert bytes(got) == bytes(want) and any(want)
+    assert streams.main_waited == [] and ready is not None and ready.done()
 
 
 def test_an_update_is_staged_on_the_side_stream_and_its_buffer_held_until_the_copy_is_done() -> None:

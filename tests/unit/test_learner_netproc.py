@@ -20,6 +20,7 @@ import structlog
 from dilocod.learner import netproc
 from dilocod.learner.arena import ALIGN, Arena, arena_size
 from dilocod.learner.bridge import Adopt, LostPush, Snapshot, StepReportItem, newer_update
+from dilocod.learner.link import compute_push
 from dilocod.learner.netproc import (
     MAX_DATAGRAM_BYTES,
     Channel,
@@ -31,7 +32,7 @@ from dilocod.learner.netproc import (
     SentCounts,
     _take_fds,
 )
-from dilocod.wire.manifest import ModelEntry
+from dilocod.wire.manifest import ModelEntry, TensorEntry
 from dilocod.wire.messages import FragmentRequest, Plan
 
 DEADLINE_S = 10.0
@@ -395,6 +396,23 @@ def test_a_snapshot_whose_device_copy_runs_waits_for_a_later_boundary(
     (sent,) = _drain_snapshots(child, 1)
     assert (sent.fragment, sent.round) == (2, 5) and bytes(sent.theta) == bytes(range(64))
     assert copy.waited == 0  # never waited on the training thread
+
+
+def test_an_outer_gradient_computed_on_the_device_crosses_without_an_anchor(
+    pair: tuple[ProcessBridge, _Child],
+) -> None:
+    """--anchors device: the snapshot's buffer holds δ already; its note names no anchor, and the
+    child's push sends those bytes as they are."""
+    parent, child = pair
+    delta = parent.snapshot_buffer(64)
+    delta[:] = bytes(range(64))
+    parent.send_snapshot(Snapshot(1, 4, 2, 3, 30, delta, bytearray(), delta=True), wake=False)
+    parent.flush()
+    (sent,) = _drain_snapshots(child, 1)
+    assert sent.delta and len(sent.anchor) == 0 and bytes(sent.theta) == bytes(range(64))
+    manifest = (TensorEntry("w", "float32", (16,), 0),)
+    _manifest, out, _sums = compute_push(sent, manifest, 32, in_place=True)
+    assert out is sent.theta and bytes(out) == bytes(range(64))
 
 
 def test_closing_waits_out_a_deferred_device_copy(pair: tuple[ProcessBridge, _Child]) -> None:

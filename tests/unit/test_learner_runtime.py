@@ -43,10 +43,16 @@ CPU = torch.device("cpu")
 #: The device paths a test runs on: the CPU's, and the GPU's with CPU stand-ins of its streams
 #: (tests/unit/device_standins.py): the same parameters, bit for bit.
 PATHS = pytest.mark.parametrize("path", ["host", "staged"])
+#: With the anchors on the device too (--anchors device: δ computed there, no host anchor).
+ALL_PATHS = pytest.mark.parametrize("path", ["host", "staged", "device-anchors"])
 
 
 def copier_of(path: str) -> Copier | None:
     return None if path == "host" else DeviceCopier(CPU, StandInStreams(), recording_pins()[0])
+
+
+def anchors_of(path: str) -> str:
+    return "device" if path == "device-anchors" else "host"
 
 
 # ---------------------------------------------------------------------------- the user's side
@@ -183,6 +189,7 @@ def rig(
         steps=steps,
         state_dir=state_dir,
         join_timeout_s=join_timeout_s,
+        anchors=anchors_of(path),
     )
     bridge = Bridge()
     loop = TrainingLoop(config, job.trainer(), bridge, CPU, "m0", copier=copier_of(path))
@@ -328,6 +335,36 @@ def test_request_snapshots_the_fragment_at_the_step_boundary(path: str) -> None:
     assert bytes(delta) == bytes(want)
     assert any(want) and len(want) > 2 * chunk_bytes
     assert checksums == [checksum(bytes(want[i : i + chunk_bytes])) for i in range(0, len(want), chunk_bytes)]
+
+
+def test_with_its_anchors_on_the_device_a_learner_pushes_the_same_delta_and_keeps_no_host_anchor() -> None:
+    host, device = rig(), rig(path="device-anchors")
+    copier = device.loop.copier
+    assert isinstance(copier, DeviceCopier)
+    for r in (host, device):
+        r.heal(versions=(3, 5))
+        r.loop.boundary()
+        for _ in range(3):
+            r.loop.one_step()
+        r.bridge.post_request(FragmentRequest(1, 7, 5))
+        r.loop.boundary()
+    (want,), _ = host.bridge.drain()
+    (got,), _ = device.bridge.drain()
+    assert got.delta and len(got.anchor) == 0 and not want.delta
+    push = [compute_push(s, host.manifest(1), 64) for s in (want, got)]
+    assert bytes(push[0][1]) == bytes(push[1][1]) and push[0][2] == push[1][2]
+    # The host keeps no anchor: the heal's buffers went back once their copies were done.
+    assert device.loop.anchors == {} and sorted(device.loop.device_anchors) == [0, 1]
+    # A merge replaces the device anchor: staged in the snapshot's slot, done with; the anchor it
+    # replaces goes back for reuse.
+    made = copier.slots.made
+    assert made == 3 and copier.slots.free == 1
+    new = {n: torch.randn(p.shape) for n, p in device.job.model.named_parameters()}
+    device.update(1, 6, new)
+    device.loop.boundary()
+    assert bytes(device.loop.device_anchors[1].numpy()) == bytes(pack(device.fragments[1], new))
+    assert copier.slots.made == made and copier.slots.free == 1
+    assert device.loop._digest(1) == f"{checksum(pack(device.fragments[1], new)):016x}"
 
 
 def test_counters_restart_at_the_send_and_at_an_overwrite_per_fragment() -> None:
@@ -875,7 +912,7 @@ class ConstantJob:
         return Trainer(self.model, None, self.step)
 
 
-@PATHS
+@ALL_PATHS
 @pytest.mark.parametrize("apply", ["keep-local", "mix"])
 def test_every_push_holds_exactly_the_steps_and_tokens_it_reports(apply: str, path: str) -> None:
     """The syncer here sends back what was pushed (Θ_new = θ_sent), late, sometimes at the very
@@ -885,7 +922,7 @@ def test_every_push_holds_exactly_the_steps_and_tokens_it_reports(apply: str, pa
     taken while the fragment was away), and none may report 0 steps."""
     alpha = 0.5
     job = ConstantJob()
-    config = RuntimeConfig(entry=ENTRY, apply=apply, mix_alpha=alpha)
+    config = RuntimeConfig(entry=ENTRY, apply=apply, mix_alpha=alpha, anchors=anchors_of(path))
     bridge = Bridge()
     loop = TrainingLoop(config, job.trainer(), bridge, CPU, "m0", copier=copier_of(path))
     fragments = (("weight",), ("bias",))
@@ -894,8 +931,10 @@ def test_every_push_holds_exactly_the_steps_and_tokens_it_reports(apply: str, pa
     plan = Plan(INCARNATION, model_entries(job.model), pieces, (0, 0), 2, 2, 1)
     bridge.post_plan(plan)
     zeros = {n: torch.zeros(s) for n, s in shapes.items()}
-    for fragment, names in enumerate(fragments):
-        bridge.post_update(Adopt(fragment, 0, pack(names, zeros), True, INCARNATION))
+    #: What this syncer last sent of each fragment: the anchor of the learner's next push.
+    anchors = {fragment: pack(names, zeros) for fragment, names in enumerate(fragments)}
+    for fragment in (0, 1):
+        bridge.post_update(Adopt(fragment, 0, bytearray(anchors[fragment]), True, INCARNATION))
     loop.boundary()
     versions = {0: 0, 1: 0}
     # (step, what happens at its boundary): r = request of fragment f; u = the merge of its last push.
@@ -918,11 +957,14 @@ def test_every_push_holds_exactly_the_steps_and_tokens_it_reports(apply: str, pa
         for event in script.get(step, []):
             fragment = int(event[1])
             if event[0] == "u":
-                snap = pushed[fragment]
+                snap, anchor = pushed[fragment]
                 versions[fragment] += 1
-                bridge.post_update(
-                    Adopt(fragment, versions[fragment], bytearray(snap.theta), False, INCARNATION)
-                )
+                theta = bytearray(snap.theta)
+                if snap.delta:  # the device computed δ: θ_sent = anchor - δ
+                    flat = np.frombuffer(theta, dtype=np.float32)
+                    np.subtract(np.frombuffer(anchor, dtype=np.float32), flat, out=flat)
+                anchors[fragment] = theta
+                bridge.post_update(Adopt(fragment, versions[fragment], bytearray(theta), False, INCARNATION))
                 applied[fragment] = in_flight.pop(fragment)
             else:
                 bridge.post_request(FragmentRequest(fragment, round_index, versions[fragment]))
@@ -946,7 +988,7 @@ def test_every_push_holds_exactly_the_steps_and_tokens_it_reports(apply: str, pa
                 away = applied.pop(fragment)
                 want = (alpha * away + (snap.c_steps - away)) * STEP_DELTA
             torch.testing.assert_close(held, torch.full_like(held, want), rtol=0, atol=1e-6)
-            pushed[fragment] = snap
+            pushed[fragment] = (snap, anchors[fragment])
             trained_since[fragment] = 0
             in_flight[fragment] = 0
             checked += 1

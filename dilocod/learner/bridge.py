@@ -62,8 +62,9 @@ class Adopt:
     #: From a (re)join: replaces the local fragment whatever the apply mode.
     heal: bool
     incarnation: str
-    #: The update's bytes on the training device already (a flat uint8 tensor: a GPU island's
-    #: broadcast), applied from there; None: they are in `buffer` only.
+    #: The update's bytes on their way to the training device, or there (learner.device.Upload:
+    #: started when the training loop took it, or a GPU island's broadcast), applied from there;
+    #: None: they are in `buffer` only.
     staged: Any = None
 
 

@@ -275,6 +275,20 @@ class Holds:
 
 
 @dataclass(frozen=True, slots=True)
+class Upload:
+    """An update on its way to the training device, taken at the boundary it arrived at: a slot
+    (flat uint8, wire layout) and the event of the side stream's copy that fills it; None when the
+    bytes are there in the training stream's order already (an island's broadcast)."""
+
+    flat: torch.Tensor
+    arrived: Event | None = None
+
+    def landed(self) -> bool:
+        """Whether the copy has completed (never waits): applied now, it costs the stream nothing."""
+        return self.arrived is None or self.arrived.query()
+
+
+@dataclass(frozen=True, slots=True)
 class Staged:
     """A fragment's update where the apply reads it: views in wire layout (on the training device),
     and the slot they are views of (None: the host buffer itself)."""
@@ -313,13 +327,24 @@ class Copier(Protocol):
         δ = anchor - θ; with the copy still running when the second item is not None."""
         ...
 
-    def stage(self, layout: FragmentLayout, buffer: Buffer) -> Staged:
-        """An update's buffer where the apply reads it; the training stream's work queued from now
-        on sees it. done(staged) once the apply is queued."""
+    def prefetch(self, buffer: Buffer) -> Upload | None:
+        """Start copying an update to the training device now, at the boundary that took it: by
+        its apply, usually a step later, the copy has landed and the stream waits for nothing.
+        None: the apply reads the host buffer in place (the CPU)."""
+        ...
+
+    def stage(self, layout: FragmentLayout, buffer: Buffer, upload: Upload | None = None) -> Staged:
+        """Where the apply reads an update: the upload's slot (the training stream's work queued
+        from now on waits for its copy, on the device; started now if there is none) or the host
+        buffer itself. done(staged) once the apply is queued."""
         ...
 
     def done(self, staged: Staged) -> None:
         """The apply that reads `staged` is queued: its device buffer may be reused after it."""
+        ...
+
+    def discard(self, upload: Upload) -> None:
+        """An update dropped unapplied: its slot may be reused once its copy has landed."""
         ...
 
     def let_go(self, buffer: Buffer, release: Callable[[], None]) -> None:
@@ -352,10 +377,16 @@ class HostCopier:
         _fill(layout.views(buffer), layout, anchor)
         return buffer, None
 
-    def stage(self, layout: FragmentLayout, buffer: Buffer) -> Staged:
+    def prefetch(self, buffer: Buffer) -> Upload | None:
+        return None
+
+    def stage(self, layout: FragmentLayout, buffer: Buffer, upload: Upload | None = None) -> Staged:
         return Staged(layout.views(buffer))
 
     def done(self, staged: Staged) -> None:
+        pass
+
+    def discard(self, upload: Upload) -> None:
         pass
 
     def let_go(self, buffer: Buffer, release: Callable[[], None]) -> None:
@@ -427,24 +458,35 @@ class DeviceCopier:
         self.slots.give(flat, copied)
         return buffer, DeviceCopy(copied)
 
-    def stage(self, layout: FragmentLayout, buffer: Buffer) -> Staged:
-        if not layout.raw_bytes:
-            return Staged(layout.views(buffer))
-        flat = self.upload(buffer)
-        return Staged(byte_views(flat, layout.manifest), flat)
-
-    def upload(self, buffer: Buffer) -> torch.Tensor:
-        """A host buffer copied into a device slot on the side stream; the training stream's work
-        queued from now on waits for it (on the device). The slot goes back with done()."""
+    def prefetch(self, buffer: Buffer) -> Upload | None:
+        if not len(buffer):
+            return None
         self.pins.pin(buffer)
         flat = self.slots.take(len(buffer))
         with torch.no_grad():
             with self.streams.on_side():
                 flat.copy_(torch.frombuffer(buffer, dtype=torch.uint8), non_blocking=True)
             arrived = self.streams.record_side()
-        self.streams.main_waits(arrived)
-        self._reading[id(buffer)] = (buffer, arrived)
-        return flat
+        self._reading[id(buffer)] = (buffer, arrived)  # the copy holds its source (let_go)
+        return Upload(flat, arrived)
+
+    def stage(self, layout: FragmentLayout, buffer: Buffer, upload: Upload | None = None) -> Staged:
+        if upload is None:
+            upload = self.prefetch(buffer)
+            if upload is None:
+                return Staged(layout.views(buffer))
+        if upload.flat.numel() != layout.raw_bytes:
+            raise ValueError(
+                f"fragment {layout.index}: {upload.flat.numel()} bytes, the layout has {layout.raw_bytes}"
+            )
+        return Staged(byte_views(self.ready(upload), layout.manifest), upload.flat)
+
+    def ready(self, upload: Upload) -> torch.Tensor:
+        """The upload's slot, for the training stream's work queued from now on (which waits for
+        the copy on the device, if it has not landed)."""
+        if upload.arrived is not None:
+            self.streams.main_waits(upload.arrived)
+        return upload.flat
 
     def slot(self, size: int) -> torch.Tensor:
         """A device slot of `size` bytes, for bytes that arrive on the device (an island's
@@ -454,6 +496,12 @@ class DeviceCopier:
     def done(self, staged: Staged) -> None:
         if staged.flat is not None:
             self.slots.give(staged.flat, self.streams.record_main())
+
+    def discard(self, upload: Upload) -> None:
+        # Only the copy (side stream) has used it, unless it was readied for the training stream.
+        self.slots.give(
+            upload.flat, upload.arrived if upload.arrived is not None else self.streams.record_main()
+        )
 
     def let_go(self, buffer: Buffer, release: Callable[[], None]) -> None:
         reading = self._reading.pop(id(buffer), None)

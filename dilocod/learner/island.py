@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from dilocod.learner.bridge import Adopt, Inbox
 from dilocod.learner.control import decode_control, encode_control
-from dilocod.learner.device import Copier, DeviceCopier
+from dilocod.learner.device import Copier, DeviceCopier, Upload
 
 #: The process group of a GPU island: CPU tensors (control) over gloo, CUDA ones over NCCL.
 GPU_BACKENDS = "cpu:gloo,cuda:nccl"
@@ -99,9 +99,11 @@ class Island:
             if on_device:
                 assert isinstance(copier, DeviceCopier)
                 buffer = inbox.updates[index].buffer if self.leader else bytearray()
+                upload = copier.prefetch(buffer) if self.leader else None
                 if note.nbytes:
-                    staged = copier.upload(buffer) if self.leader else copier.slot(note.nbytes)
-                    dist.broadcast(staged, src=0)  # NCCL, ordered after the upload on the device
+                    flat = copier.ready(upload) if upload is not None else copier.slot(note.nbytes)
+                    dist.broadcast(flat, src=0)  # NCCL, ordered after the upload on the device
+                    staged = Upload(flat)
             else:
                 buffer = inbox.updates[index].buffer if self.leader else bytearray(note.nbytes)
                 if note.nbytes:

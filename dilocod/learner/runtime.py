@@ -18,6 +18,7 @@ training for good); and, once at start, for the first heal (bounded the same way
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -55,7 +56,6 @@ from dilocod.learner.state import (
     save_local_state,
 )
 from dilocod.outer import apply_update_
-from dilocod.precision import byte_views
 from dilocod.wire.codecs import checksum
 from dilocod.wire.messages import FragmentRequest
 
@@ -358,6 +358,9 @@ class TrainingLoop:
             if kept is None:
                 self._drop(adopt)
                 continue
+            if kept.staged is None:
+                # On a GPU its copy to the device starts now, and lands while the next step runs.
+                kept = dataclasses.replace(kept, staged=self.copier.prefetch(kept.buffer))
             self.held[adopt.fragment] = kept
             if pending is not None and pending.buffer is not kept.buffer:
                 self._drop(pending)
@@ -417,6 +420,16 @@ class TrainingLoop:
                 and self.step_index < sent.step + cadence.overlap
             ):
                 continue  # held until its due step, s_r + tau
+            if (
+                cadence is not None
+                and not cadence.lockstep
+                and not adopt.heal
+                and adopt.staged is not None
+                and not adopt.staged.landed()
+            ):
+                # Decoupled, an update whose copy to the device is still running is applied at the
+                # next boundary, as if it had come a step later: the stream never waits for PCIe.
+                continue
             del self.held[fragment]
             self._apply(adopt)
 
@@ -505,7 +518,7 @@ class TrainingLoop:
         """An update that will not be applied: its buffer goes back, and its device copy if any."""
         self._let_go(adopt.buffer)
         if adopt.staged is not None:
-            self.copier.done(Staged([], adopt.staged))
+            self.copier.discard(adopt.staged)
 
     def _apply(self, adopt: Adopt) -> None:
         if adopt.fragment >= len(self.layouts):
@@ -520,13 +533,9 @@ class TrainingLoop:
                 self.lateness.apply(late)
                 self.apply_late[adopt.fragment] = late
         layout = self.layouts[adopt.fragment]
-        # Where the parameters are: on a GPU copied in on a side stream that the training stream
-        # waits for on the device (learner.device), or there already (an island's broadcast).
-        staged = (
-            self.copier.stage(layout, adopt.buffer)
-            if adopt.staged is None
-            else Staged(byte_views(adopt.staged, layout.manifest), adopt.staged)
-        )
+        # Where the parameters are: on a GPU copied in on a side stream (started when the update
+        # was taken) that the training stream waits for on the device (learner.device).
+        staged = self.copier.stage(layout, adopt.buffer, adopt.staged)
         mode = self._mode(adopt.fragment, heal=adopt.heal)
         sent = self.sent.get(adopt.fragment) if mode == "keep-local" else None
         apply_update_(list(layout.params), staged.views, mode, alpha=self.config.mix_alpha, sent=sent)

@@ -202,6 +202,28 @@ def test_an_update_is_staged_on_the_side_stream_and_its_buffer_held_until_the_co
     assert again.flat is staged.flat and copier.slots.made == 1
 
 
+def test_a_prefetched_update_makes_the_training_stream_wait_only_where_it_is_applied() -> None:
+    _model, layouts = mixed_layouts()
+    layout = layouts[0]
+    update = memoryview(mmap.mmap(-1, layout.raw_bytes))
+    copier, streams = staged_copier()
+    streams.hold = True
+    upload = copier.prefetch(update)
+    assert upload is not None and not upload.landed()
+    assert streams.main_waited == []  # the copy runs on the side stream while the step does
+    streams.complete_all()
+    streams.hold = False
+    assert upload.landed()
+    staged = copier.stage(layout, update, upload)
+    assert staged.flat is upload.flat and streams.main_waited == [upload.arrived]
+    dropped = copier.prefetch(update)
+    assert dropped is not None and dropped.flat is not upload.flat
+    copier.discard(dropped)  # never applied: back once its copy is done (it is)
+    assert copier.prefetch(update).flat is dropped.flat  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match=r"fragment 1: .* bytes, the layout has"):
+        copier.stage(layouts[1], update, upload)
+
+
 def test_snapshots_reuse_their_slots_and_pin_each_buffer_once() -> None:
     _model, layouts = mixed_layouts()
     layout = layouts[0]

@@ -367,6 +367,39 @@ def test_with_its_anchors_on_the_device_a_learner_pushes_the_same_delta_and_keep
     assert device.loop._digest(1) == f"{checksum(pack(device.fragments[1], new)):016x}"
 
 
+def test_an_update_still_on_its_way_to_the_device_is_applied_a_boundary_later_and_never_waited_for() -> None:
+    """Decoupled, a merge is copied to the device from the boundary that takes it, and applied at
+    the first boundary where that copy has landed: the training stream never waits for PCIe. A
+    heal does not wait for a later boundary: the stream waits for it on the device."""
+    r = rig(path="staged")
+    copier = r.loop.copier
+    assert isinstance(copier, DeviceCopier) and isinstance(copier.streams, StandInStreams)
+    streams = copier.streams
+    streams.hold = True
+    values = r.heal(versions=(3, 5))
+    r.loop.boundary()
+    assert_params(r.job, values)
+    assert r.loop.versions == {0: 3, 1: 5}
+    assert len(streams.main_waited) == 2  # the heal: applied at once, the stream waiting on the device
+    streams.complete_all()
+    r.loop.one_step()
+    before = r.job.params()
+    waited = len(streams.main_waited)
+    new = {n: torch.randn(p.shape) for n, p in r.job.model.named_parameters()}
+    r.update(0, 4, new)
+    r.loop.boundary()  # taken, its copy started, not landed: not applied yet
+    assert r.loop.versions[0] == 3 and 0 in r.loop.held
+    assert_params(r.job, before)
+    r.loop.one_step()
+    trained = r.job.params()
+    streams.complete_all()
+    r.loop.boundary()  # landed: applied, and the stream had nothing to wait for
+    assert r.loop.versions[0] == 4 and 0 not in r.loop.held
+    assert_params(r.job, r.of(0, new))
+    assert_params(r.job, r.of(1, trained))
+    assert all(event.completed for event in streams.main_waited[waited:])
+
+
 def test_counters_restart_at_the_send_and_at_an_overwrite_per_fragment() -> None:
     r = rig()
     r.heal(versions=(3, 5))

@@ -99,6 +99,10 @@ class Streams(Protocol):
         """Work queued inside runs on the side stream."""
         ...
 
+    def synchronize(self) -> None:
+        """Block until the work queued on both streams has completed."""
+        ...
+
 
 class CudaStreams:
     """Streams of a CUDA device: the current stream for training, a new one for copies."""
@@ -125,6 +129,10 @@ class CudaStreams:
 
     def on_side(self) -> AbstractContextManager[None]:
         return torch.cuda.stream(self._side)
+
+    def synchronize(self) -> None:
+        self._side.synchronize()
+        torch.cuda.current_stream(self.device).synchronize()
 
 
 # ----------------------------------------------------------------------------- host memory
@@ -177,8 +185,8 @@ class HostPins:
             if code:
                 raise DeviceError(
                     f"cudaHostRegister of {size} bytes at {address:#x} failed: {self._explain(code)}; "
-                    "copies between the GPU and this memory would be synchronous. Is the memory "
-                    "lock limit (ulimit -l, LimitMEMLOCK= in the unit) below the fragments' size?"
+                    "copies between the GPU and this memory would be synchronous. Is there room to "
+                    "page-lock it (physical memory; a memory lock limit: ulimit -l, LimitMEMLOCK=)?"
                 )
             self._pinned[id(owner)] = (owner, address)
 
@@ -517,6 +525,8 @@ class DeviceCopier:
         self.pins.unpin(buffer)
 
     def close(self) -> None:
+        # Every copy done first: a copy to or from memory unregistered under it is undefined.
+        self.streams.synchronize()
         self.holds.drain()
         self._reading.clear()
         self.pins.unpin_all()

@@ -23,6 +23,7 @@ from dilocod.learner.device import (
     DeviceSlots,
     Holds,
     HostCopier,
+    HostPins,
 )
 from dilocod.learner.layout import FragmentLayout, layouts_for, model_entries
 from dilocod.wire.messages import Plan
@@ -64,7 +65,7 @@ def test_a_failed_registration_is_an_error_naming_the_call_and_the_lock_limit() 
     pins, log = recording_pins()
     log.fail_with = 2
     buffer = bytearray(4096)
-    named = r"cudaHostRegister of 4096 bytes .*stand-in error \(2\).*ulimit -l"
+    named = r"cudaHostRegister of 4096 bytes .*stand-in error \(2\).*LimitMEMLOCK="
     with pytest.raises(DeviceError, match=named):
         pins.pin(buffer)
     assert pins.pinned == 0  # not counted as pinned: the next copy asks again
@@ -241,6 +242,24 @@ def test_snapshots_reuse_their_slots_and_pin_each_buffer_once() -> None:
     assert copier.slots.made == 3 and copier.pins.pinned == 3
     copier.close()
     assert copier.pins.pinned == 0
+
+
+def test_closing_waits_for_every_copy_before_it_unpins_their_memory() -> None:
+    _model, layouts = mixed_layouts()
+    streams = StandInStreams()
+    at_unregister: list[bool] = []
+    pins = HostPins(
+        lambda _a, _s: 0, lambda _a: at_unregister.append(all(e.completed for e in streams.events)) or 0
+    )
+    copier = DeviceCopier(CPU, streams, pins)
+    streams.hold = True
+    buffer = memoryview(mmap.mmap(-1, layouts[0].raw_bytes))
+    copier.copy_out(layouts[0], lambda _n: buffer)
+    released: list[bool] = []
+    copier.stage(layouts[0], buffer)
+    copier.let_go(buffer, lambda: released.append(True))
+    copier.close()
+    assert at_unregister == [True] and released == [True]
 
 
 # ---------------------------------------------------------------------------- the thread-mode bridge

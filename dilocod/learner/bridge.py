@@ -14,7 +14,9 @@ loop, which keeps it as the fragment's anchor until it has applied a newer versi
 back (release). A snapshot's buffer (snapshot_buffer) belongs to the network from send_snapshot on,
 which also makes the snapshot a holder of its anchor, until the push no longer needs either
 (snapshot_done): the outer gradient is computed in place in θ's buffer, from the anchor the
-training side applied, with no copy of either. A buffer is reused only once nobody holds it.
+training side applied, with no copy of either (with a GPU's --anchors device the training side
+computed it already: Snapshot.delta, no anchor). A buffer is reused only once nobody holds it, and
+a dropped snapshot whose device copy still writes its buffer keeps it until the copy is done.
 """
 
 from __future__ import annotations

@@ -37,6 +37,9 @@ dilocod.learner.buffers). Each fragment's anchor exists once, in the child's mem
   note names that buffer and its anchor's. The child's push worker writes δ = anchor - θ over θ
   in that same buffer, sends it, and gives the buffer back once the push is done, with its next
   inbox message (so the training side reads one datagram fewer) or alone RELEASE_DELAY_S later.
+  With a GPU's --anchors device the anchors are on the GPU instead: the training thread copies
+  out δ itself, the note names no anchor (DELTA_IN_THETA), and the child sends the bytes as they
+  are; an update's buffer goes back once its copy to the GPU has landed.
 Beyond the anchors, the buffers in use are the updates not yet applied and the snapshots whose
 pushes are under way: about tau + 2 fragments.
 

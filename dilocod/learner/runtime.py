@@ -360,7 +360,9 @@ class TrainingLoop:
                 continue
             if kept.staged is None:
                 # On a GPU its copy to the device starts now, and lands while the next step runs.
-                kept = dataclasses.replace(kept, staged=self.copier.prefetch(kept.buffer))
+                upload = self.copier.prefetch(kept.buffer)
+                if upload is not None:
+                    kept = dataclasses.replace(kept, staged=upload)
             self.held[adopt.fragment] = kept
             if pending is not None and pending.buffer is not kept.buffer:
                 self._drop(pending)

@@ -9,26 +9,19 @@ tested on the CPU through stand-ins (tests/unit/test_learner_device.py)."""
 from __future__ import annotations
 
 import copy
-import os
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 from dilocod.learner.bridge import Bridge, Snapshot
 from dilocod.learner.buffers import mapped_buffer
 from dilocod.learner.delta import fragment_delta_
 from dilocod.learner.device import CudaStreams, DeviceClock, DeviceCopier, HostCopier, HostPins
-from dilocod.learner.layout import FragmentLayout, layouts_for, model_entries
 from dilocod.outer import apply_update_
-from dilocod.wire.messages import Plan
-from tests.integration.syncer_process import start_learner, start_syncer, syncer_status
+from tests.integration.syncer_process import run_island, start_learner, start_syncer, syncer_status
+from tests.unit.test_learner_device import Mixed, layouts_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA on this host")
 
@@ -38,25 +31,10 @@ DEADLINE_S = 180.0
 HOLD_CYCLES = 2_000_000_000
 
 
-class Mixed(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        generator = torch.Generator().manual_seed(7)
-        self.wide = nn.Parameter(torch.randn(600, 500, generator=generator))
-        self.narrow = nn.Parameter(torch.randn(300, 400, generator=generator).to(torch.bfloat16))
-        self.bias = nn.Parameter(torch.randn(700, generator=generator).to(torch.float16))
-
-
-def layouts_of(model: nn.Module) -> list[FragmentLayout]:
-    fragments = ((("wide", 0, 400),), (("wide", 400, 600), ("narrow", 0, 300), ("bias", 0, 700)))
-    plan = Plan("inc", model_entries(model), fragments, (0, 0), sync_every=2, overlap=1, quorum=1)
-    return layouts_for(plan, model)
-
-
 @pytest.fixture
-def models() -> tuple[nn.Module, nn.Module]:
-    """The same parameters on the CPU and on the GPU."""
-    cpu = Mixed()
+def models() -> tuple[Mixed, Mixed]:
+    """The same parameters (three dtypes, row slices: MBs of them) on the CPU and on the GPU."""
+    cpu = Mixed(scale=100)
     return cpu, copy.deepcopy(cpu).cuda()
 
 
@@ -79,7 +57,7 @@ def test_a_region_is_page_locked_once_and_unlocked_when_it_goes() -> None:
 
 
 @pytest.mark.parametrize("fragment", [0, 1])
-def test_a_snapshot_holds_the_cpu_paths_bytes(models: tuple[nn.Module, nn.Module], fragment: int) -> None:
+def test_a_snapshot_holds_the_cpu_paths_bytes(models: tuple[Mixed, Mixed], fragment: int) -> None:
     cpu, gpu = models
     want, _ = HostCopier().copy_out(layouts_of(cpu)[fragment], bytearray)
     copier = DeviceCopier.for_cuda(torch.device("cuda"))
@@ -91,7 +69,7 @@ def test_a_snapshot_holds_the_cpu_paths_bytes(models: tuple[nn.Module, nn.Module
 
 
 def test_the_training_stream_never_waits_for_a_snapshots_copy_to_the_host(
-    models: tuple[nn.Module, nn.Module],
+    models: tuple[Mixed, Mixed],
 ) -> None:
     _cpu, gpu = models
     copier = DeviceCopier.for_cuda(torch.device("cuda"))
@@ -108,7 +86,7 @@ def test_the_training_stream_never_waits_for_a_snapshots_copy_to_the_host(
 
 
 def test_an_apply_is_the_updates_bytes_and_its_buffer_waits_for_the_copy(
-    models: tuple[nn.Module, nn.Module],
+    models: tuple[Mixed, Mixed],
 ) -> None:
     cpu, gpu = models
     cpu_layout, layout = layouts_of(cpu)[1], layouts_of(gpu)[1]
@@ -138,7 +116,7 @@ def test_an_apply_is_the_updates_bytes_and_its_buffer_waits_for_the_copy(
 
 
 def test_a_snapshot_dropped_under_its_copy_keeps_its_buffer_in_thread_mode(
-    models: tuple[nn.Module, nn.Module],
+    models: tuple[Mixed, Mixed],
 ) -> None:
     cpu, gpu = models
     want, _ = HostCopier().copy_out(layouts_of(cpu)[0], bytearray)
@@ -166,7 +144,7 @@ def test_a_snapshot_dropped_under_its_copy_keeps_its_buffer_in_thread_mode(
 
 @pytest.mark.parametrize("fragment", [0, 1])
 def test_an_outer_gradient_on_the_device_is_the_hosts_bit_for_bit(
-    models: tuple[nn.Module, nn.Module], fragment: int
+    models: tuple[Mixed, Mixed], fragment: int
 ) -> None:
     cpu, gpu = models
     cpu_layout, layout = layouts_of(cpu)[fragment], layouts_of(gpu)[fragment]
@@ -302,35 +280,19 @@ def test_a_gpu_learner_ends_on_the_syncers_fragments(
     assert status["learners"]
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="an island of 2 ranks needs 2 GPUs")
 def test_an_island_of_two_gpus_applies_the_same_fragments_over_nccl(tmp_path: Path, gpu_entry: Path) -> None:
     syncer = start_syncer(
         tmp_path, gpu_entry, tmp_path / "syncer", *SYNCER_ARGS, entry="gpu_entry:make_trainer"
     )
     state = tmp_path / "island"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"]
-    command += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
-    command += ["-m", "dilocod", "learner", "--syncer", f"127.0.0.1:{syncer.port}", "--insecure"]
-    command += ["--entry", "gpu_entry:make_island_trainer", "--id", "island", "--device", "cuda"]
-    command += ["--steps", "60", "--state-dir", str(state)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(gpu_entry), os.environ.get("PYTHONPATH", "")])}
-    (tmp_path / "tmp").mkdir()
-    env["TMPDIR"] = str(tmp_path / "tmp")
-    before = set(Path(tempfile.gettempdir()).glob("torchelastic_*"))
     try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, timeout=DEADLINE_S, env=env, check=False
+        done = run_island(
+            tmp_path, gpu_entry, syncer.port, "gpu_entry:make_island_trainer", "cuda", 60, DEADLINE_S
         )
         assert done.returncode == 0, done.stderr[-4000:]
     finally:
         assert syncer.stop() == 0, syncer.stderr()
-    assert set(Path(tempfile.gettempdir()).glob("torchelastic_*")) <= before
     assert syncer.log_events("round merged")
     ranks = [torch.load(state / f"rank-{r}" / "learner-state.pt", weights_only=True) for r in (0, 1)]
     assert ranks[0]["step"] == ranks[1]["step"] == 60

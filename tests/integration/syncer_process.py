@@ -12,8 +12,10 @@ import json
 import os
 import selectors
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -314,6 +316,29 @@ def start_learner(
     learner = DaemonProcess(process, {"id": learner_id}, stderr_path)
     threading.Thread(target=learner.follow, args=(process.stderr,), daemon=True).start()
     return learner
+
+
+def run_island(
+    work: Path, entry_dir: Path, port: int, entry: str, device: str, steps: int, timeout_s: float
+) -> subprocess.CompletedProcess[str]:
+    """`dilocod learner --id island` as a torchrun job of 2 ranks on this host, run to its end, its
+    state under work/island. torchrun's agent makes a torchelastic_* folder in TMPDIR and never
+    removes it: it gets the test's own, and nothing may be left in the shared one."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        master_port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"]
+    command += ["--master-addr", "127.0.0.1", "--master-port", str(master_port)]
+    command += ["-m", "dilocod", "learner", "--syncer", f"127.0.0.1:{port}", "--insecure"]
+    command += ["--entry", entry, "--id", "island", "--device", device]
+    command += ["--steps", str(steps), "--state-dir", str(work / "island")]
+    env = _child_env(entry_dir)
+    (work / "tmp").mkdir(exist_ok=True)
+    env["TMPDIR"] = str(work / "tmp")
+    before = set(Path(tempfile.gettempdir()).glob("torchelastic_*"))
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env, check=False)
+    assert set(Path(tempfile.gettempdir()).glob("torchelastic_*")) <= before, "left in the shared TMPDIR"
+    return done
 
 
 def dilocod_cli(*args: str, timeout_s: float = 60.0, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -6,11 +6,8 @@ Every wait is on a log record or a process exit, with a deadline."""
 from __future__ import annotations
 
 import importlib
-import os
 import socket
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,6 +17,7 @@ from safetensors.torch import load_file
 from .syncer_process import (
     LEARNER_ENTRY,
     export_global_model,
+    run_island,
     start_learner,
     start_syncer,
     syncer_status,
@@ -203,24 +201,13 @@ def test_a_torchrun_island_of_two_ranks(tmp_path: Path, entry_dir: Path) -> None
     tokens are the sum over its ranks."""
     syncer = start_syncer(tmp_path, entry_dir, tmp_path / "syncer", *SYNCER_ARGS, entry=LEARNER_ENTRY)
     state = tmp_path / "island"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"]
-    command += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
-    command += ["-m", "dilocod", "learner", "--syncer", f"127.0.0.1:{syncer.port}", "--insecure"]
-    command += ["--entry", "learner_test_entry:make_island_trainer", "--id", "island", "--device", "cpu"]
-    command += ["--steps", "120", "--state-dir", str(state)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(entry_dir), os.environ.get("PYTHONPATH", "")])}
-    # torchrun's agent makes a torchelastic_* folder in TMPDIR and never removes it: the test's own.
-    (tmp_path / "tmp").mkdir()
-    env["TMPDIR"] = str(tmp_path / "tmp")
-    before = set(Path(tempfile.gettempdir()).glob("torchelastic_*"))
     try:
-        done = subprocess.run(
-            command, capture_output=True, text=True, timeout=DEADLINE_S, env=env, check=False
+        done = run_island(
+            tmp_path, entry_dir, syncer.port, "learner_test_entry:make_island_trainer", "cpu", 120, DEADLINE_S
         )
         assert done.returncode == 0, done.stderr[-4000:]
     finally:
         assert syncer.stop() == 0, syncer.stderr()
-    assert set(Path(tempfile.gettempdir()).glob("torchelastic_*")) <= before, "left in the shared TMPDIR"
     merged = syncer.log_events("round merged")
     # One learner, but a round may merge two of its pushes: a late one carried in beside its fresh
     # answer from a newer base version (docs/design.md §3.4, late pushes), when the host is loaded.

@@ -114,22 +114,28 @@ def test_a_buffer_a_copy_reads_goes_back_only_once_the_copy_has_completed() -> N
 
 
 class Mixed(nn.Module):
-    """Parameters of three dtypes, one cut into row slices by the plan."""
+    """Parameters of three dtypes, one cut into row slices by the plan (tests/gpu/ makes it `scale`
+    times larger in every dimension)."""
 
-    def __init__(self) -> None:
+    def __init__(self, scale: int = 1) -> None:
         super().__init__()
+        self.scale = scale
         generator = torch.Generator().manual_seed(7)
-        self.wide = nn.Parameter(torch.randn(6, 5, generator=generator))
-        self.narrow = nn.Parameter(torch.randn(3, 4, generator=generator).to(torch.bfloat16))
-        self.bias = nn.Parameter(torch.randn(7, generator=generator).to(torch.float16))
+        self.wide = nn.Parameter(torch.randn(6 * scale, 5 * scale, generator=generator))
+        self.narrow = nn.Parameter(torch.randn(3 * scale, 4 * scale, generator=generator).to(torch.bfloat16))
+        self.bias = nn.Parameter(torch.randn(7 * scale, generator=generator).to(torch.float16))
+
+
+def layouts_of(model: Mixed) -> list[FragmentLayout]:
+    n = model.scale
+    fragments = ((("wide", 0, 4 * n),), (("wide", 4 * n, 6 * n), ("narrow", 0, 3 * n), ("bias", 0, 7 * n)))
+    plan = Plan("inc", model_entries(model), fragments, (0, 0), sync_every=2, overlap=1, quorum=1)
+    return layouts_for(plan, model)
 
 
 def mixed_layouts() -> tuple[Mixed, list[FragmentLayout]]:
     model = Mixed()
-    entries = model_entries(model)
-    fragments = ((("wide", 0, 4),), (("wide", 4, 6), ("narrow", 0, 3), ("bias", 0, 7)))
-    plan = Plan("inc", entries, fragments, (0, 0), sync_every=2, overlap=1, quorum=1)
-    return model, layouts_for(plan, model)
+    return model, layouts_of(model)
 
 
 def staged_copier() -> tuple[DeviceCopier, StandInStreams]:

@@ -274,7 +274,7 @@ class TrainingLoop:
                 self.save()
             if self.leader and now - self._last_progress >= self.config.progress_every_s:
                 self._report_progress(now)
-        self.boundary(stop)  # adopt what arrived during the last step before saving
+        self.boundary(stop, last=True)  # adopt what arrived during the last step before saving
         if self.leader:
             self._report_holding()
 
@@ -284,9 +284,11 @@ class TrainingLoop:
         """A decision every rank of an island takes together (all must say yes)."""
         return local if self.island is None else self.island.agree(local)
 
-    def boundary(self, stop: threading.Event | None = None) -> None:
+    def boundary(self, stop: threading.Event | None = None, *, last: bool = False) -> None:
         """The step boundary: applies, then snapshots (module docstring). Lock-step waits happen
-        here, each bounded by join_timeout_s; `stop` ends them early."""
+        here, each bounded by join_timeout_s; `stop` ends them early. The last one, before the
+        final save, applies every update that has arrived (on a GPU, those still on their way
+        too)."""
         stop = stop if stop is not None else threading.Event()
         self.copier.settle()
         self._take()
@@ -309,7 +311,7 @@ class TrainingLoop:
                     and cadence.answer_now(request.round, self.step_index)
                 ):
                     self._answer(request)
-        self._apply_due(stop)
+        self._apply_due(stop, last=last)
         self._answer_due(stop)
         if cadence is not None and cadence.lockstep and cadence.overlap == 0:
             # Lock-step with tau = 0 waits here, right after the boundary that pushed: a step run
@@ -392,7 +394,7 @@ class TrainingLoop:
 
     # ------------------------------------------------------------------ applies
 
-    def _apply_due(self, stop: threading.Event) -> None:
+    def _apply_due(self, stop: threading.Event, *, last: bool = False) -> None:
         """Apply the merges that are due; lock-step first waits for those due at this step."""
         cadence = self.cadence
         if cadence is not None and cadence.lockstep:
@@ -423,7 +425,8 @@ class TrainingLoop:
             ):
                 continue  # held until its due step, s_r + tau
             if (
-                cadence is not None
+                not last
+                and cadence is not None
                 and not cadence.lockstep
                 and not adopt.heal
                 and adopt.staged is not None

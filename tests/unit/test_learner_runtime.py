@@ -398,6 +398,10 @@ def test_an_update_still_on_its_way_to_the_device_is_applied_a_boundary_later_an
     assert_params(r.job, r.of(0, new))
     assert_params(r.job, r.of(1, trained))
     assert all(event.completed for event in streams.main_waited[waited:])
+    # The last boundary, before the final save, applies what is still on its way.
+    r.update(1, 6, new)
+    r.loop.boundary(last=True)
+    assert r.loop.versions[1] == 6 and not r.loop.held
 
 
 def test_counters_restart_at_the_send_and_at_an_overwrite_per_fragment() -> None:

@@ -230,8 +230,9 @@ def copies(model: nn.Module, device: str) -> dict[str, Any]:
     """The device path's copies on every fragment of the model's plan."""
     from dilocod.learner.buffers import mapped_buffer
     from dilocod.learner.device import copier_for
-    from dilocod.learner.layout import layouts_for, model_entries
-    from dilocod.outer.plan import plan_module
+    from dilocod.learner.layout import layouts_for
+    from dilocod.model.params import model_entries
+    from dilocod.model.plan import plan_module
     from dilocod.wire.messages import Plan
 
     cuda = device.startswith("cuda")

@@ -52,7 +52,7 @@ import torch
 from machine import machine_facts  # bench/machine.py: run as python bench/<script>.py
 
 from dilocod.examples.scale import WIDTH, build, memory_kib
-from dilocod.outer.plan import plan_module
+from dilocod.model.plan import plan_module
 
 HERE = Path(__file__).resolve().parent
 DILOCOD = [sys.executable, "-m", "dilocod"]

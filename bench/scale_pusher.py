@@ -19,8 +19,8 @@ import torch
 
 from dilocod.examples.scale import TOKENS_PER_STEP, build
 from dilocod.learner.bridge import Adopt, Bridge, Snapshot, StepReportItem
-from dilocod.learner.layout import model_entries
 from dilocod.learner.link import Link, LinkConfig
+from dilocod.model.params import model_entries
 from dilocod.ops.logging import configure_logging
 from dilocod.wire.manifest import fragment_manifest
 from dilocod.wire.messages import FragmentRequest, Plan

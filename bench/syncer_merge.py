@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from dilocod.outer import outer_step_, plan_fragments
+from dilocod.model.plan import plan_fragments
+from dilocod.outer import outer_step_
 from dilocod.syncer.model import GlobalModel
 from dilocod.wire.manifest import ModelEntry
 

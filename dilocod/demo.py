@@ -305,8 +305,8 @@ def _evaluate(syncer_state: Path, entry: str) -> Scored:
     """The eval loss of the syncer's global model, read from its newest checkpoint, and of the
     model the syncer started from (the factory's, at the syncer's default seed)."""
     from dilocod.contract import LearnerContext  # noqa: PLC0415 - torch only at the end
-    from dilocod.learner.entry import resolve_factory  # noqa: PLC0415
-    from dilocod.learner.layout import model_entries  # noqa: PLC0415
+    from dilocod.model.entry import resolve_factory  # noqa: PLC0415
+    from dilocod.model.params import model_entries  # noqa: PLC0415
     from dilocod.syncer.checkpoint import load_latest_checkpoint  # noqa: PLC0415
 
     loaded = load_latest_checkpoint(syncer_state)

@@ -30,15 +30,16 @@ import torch
 from dilocod.contract import LearnerContext, Trainer
 from dilocod.learner.arena import anchors_ready
 from dilocod.learner.bridge import Bridge
-from dilocod.learner.entry import EntryError, load_trainer
 from dilocod.learner.health import StepWatch, status_line
 from dilocod.learner.island import Island, IslandConfig
-from dilocod.learner.layout import PlanMismatch, model_entries
 from dilocod.learner.link import Link, LinkConfig
 from dilocod.learner.netproc import ProcessBridge, SideReader, encode_config, open_network_process
 from dilocod.learner.runtime import LearnerStopped, RuntimeConfig, TrainingLoop
 from dilocod.learner.state import LOCK_FILE, LocalStateError, learner_instance, rank_state_dir
 from dilocod.learner.threads import HostCpus, choose_intra_op_threads
+from dilocod.model.compare import PlanMismatch
+from dilocod.model.entry import EntryError, load_trainer
+from dilocod.model.params import model_entries
 from dilocod.ops.notify import USEC_PER_S, Notifier, watchdog_loop
 from dilocod.ops.statedir import StateDirError, StateNotSaved, hold_state_dir, probe_writes
 

@@ -10,8 +10,7 @@ anything else.
 
 Checks the plan against the model before anything is trained: a learner whose parameter names or
 shapes differ from the syncer's gets a PlanMismatch naming the first difference (the check itself,
-torch-free for the network process, is dilocod.learner.plancheck's; its names are also this
-module's). Must not import networking.
+torch-free for the network process, is dilocod.learner.plancheck's). Must not import networking.
 """
 
 from __future__ import annotations
@@ -22,32 +21,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from dilocod.learner.plancheck import PlanMismatch, check_plan
+from dilocod.learner.plancheck import check_plan
+from dilocod.model.params import model_entries
 from dilocod.precision import tensor_views
-from dilocod.wire.manifest import ModelEntry, TensorEntry, fragment_manifest, piece_rows
+from dilocod.wire.manifest import TensorEntry, fragment_manifest, piece_rows
 from dilocod.wire.messages import Plan
-
-WIRE_DTYPES: dict[torch.dtype, str] = {
-    torch.float32: "float32",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.float64: "float64",
-}
-
-
-def model_entries(model: torch.nn.Module) -> tuple[ModelEntry, ...]:
-    """The model's parameters as JOIN lists them: a Parameter shared under several names once."""
-    seen: set[int] = set()
-    entries: list[ModelEntry] = []
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        if id(parameter) in seen:
-            continue
-        seen.add(id(parameter))
-        dtype = WIRE_DTYPES.get(parameter.dtype)
-        if dtype is None:
-            raise PlanMismatch(f"parameter {name!r} has dtype {parameter.dtype}; only float parameters train")
-        entries.append(ModelEntry(name, dtype, tuple(parameter.shape)))
-    return tuple(entries)
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,7 +54,8 @@ import structlog
 from dilocod.config import Address
 from dilocod.learner.bridge import Adopt, Bridge, Buffer, LostPush, Snapshot
 from dilocod.learner.delta import decode_update, encode_lossy, fragment_delta_, zero_residual
-from dilocod.learner.plancheck import PlanMismatch, UpdateRefused, check_plan, update_precision
+from dilocod.learner.plancheck import UpdateRefused, check_plan, update_precision
+from dilocod.model.compare import PlanMismatch
 from dilocod.ops.looplag import LoopLag
 from dilocod.transport.endpoints import connect
 from dilocod.transport.errors import HandshakeFailed, SessionClosed, TransferFailed

@@ -12,30 +12,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from dilocod.model.compare import PlanMismatch, first_difference
 from dilocod.wire.layouts import push_layout
 from dilocod.wire.manifest import ModelEntry, TensorEntry
 from dilocod.wire.messages import Plan
 
 
-class PlanMismatch(ValueError):
-    """The syncer's model is not this learner's model; the message names the first difference."""
-
-
 def check_plan(plan: Plan, ours: Sequence[ModelEntry]) -> None:
-    theirs = {e.name: e for e in plan.model}
-    for entry in ours:
-        other = theirs.get(entry.name)
-        if other is None:
-            raise PlanMismatch(f"parameter {entry.name!r} of this learner is not in the syncer's model")
-        if other.shape != entry.shape:
-            here, there = list(entry.shape), list(other.shape)
-            raise PlanMismatch(
-                f"parameter {entry.name!r} has shape {here} at this learner, {there} at the syncer"
-            )
-    mine = {e.name for e in ours}
-    for entry in plan.model:
-        if entry.name not in mine:
-            raise PlanMismatch(f"the syncer's parameter {entry.name!r} is missing from this learner's model")
+    """PlanMismatch naming the first difference if the plan's model is not this learner's."""
+    why = first_difference(ours, plan.model, "this learner", "the syncer")
+    if why is not None:
+        raise PlanMismatch(why)
 
 
 class UpdateRefused(ValueError):

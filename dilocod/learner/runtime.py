@@ -44,7 +44,6 @@ from dilocod.learner.bridge import (
 )
 from dilocod.learner.cadence import Cadence, InFlight, Lateness
 from dilocod.learner.device import Copier, Staged, clock_for, copier_for
-from dilocod.learner.entry import EntryError, check_step_result, step_failed
 from dilocod.learner.island import Island
 from dilocod.learner.layout import FragmentLayout, layouts_for
 from dilocod.learner.state import (
@@ -55,6 +54,7 @@ from dilocod.learner.state import (
     rank_state_dir,
     save_local_state,
 )
+from dilocod.model.entry import EntryError, check_step_result, step_failed
 from dilocod.outer import apply_update_
 from dilocod.wire.codecs import checksum
 from dilocod.wire.messages import FragmentRequest

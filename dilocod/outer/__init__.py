@@ -1,10 +1,12 @@
 """The outer loop's math (docs/design.md §3): pure functions over lists of tensors.
 
-Fragment plan and schedule, the learner's outer gradient and how it adopts a merged fragment,
-merge weights, the RDA and mean merges, the outer Nesterov step (alone, and fused with the merge
-for the syncer), the guard that screens outer gradients, and lossy wire precision with error
-feedback. Both daemons compose these; nothing else re-implements them. In-place functions end
-with an underscore. No networking, clocks or logging here; torch is the only heavy dependency.
+The schedule of rounds, the learner's outer gradient and how it adopts a merged fragment, merge
+weights, the RDA and mean merges, the outer Nesterov step (alone, and fused with the merge for the
+syncer), the guard that screens outer gradients, and lossy wire precision with error feedback
+(the fragment plan is the model's: dilocod.model.plan). Both daemons compose these; nothing else
+re-implements them. In-place functions end with an underscore. Imports nothing of the project
+(tests/unit/test_layering.py): no networking, clocks or logging; torch is the only heavy
+dependency.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from dilocod.outer.gradient import pseudo_gradient
 from dilocod.outer.guard import Verdict, check_outer_gradient
 from dilocod.outer.merge import embedding_mask, mean_merge, rda_merge
 from dilocod.outer.nesterov import nesterov_step_
-from dilocod.outer.plan import Fragment, FragmentPlan, module_sizes, plan_fragments, plan_module
 from dilocod.outer.quantize import (
     QuantizationReport,
     QuantizedTensor,
@@ -29,8 +30,6 @@ from dilocod.outer.weights import merge_weights
 
 __all__ = [
     "APPLY_MODES",
-    "Fragment",
-    "FragmentPlan",
     "QuantizationReport",
     "QuantizedTensor",
     "RoundOpening",
@@ -41,12 +40,9 @@ __all__ = [
     "embedding_mask",
     "mean_merge",
     "merge_weights",
-    "module_sizes",
     "nesterov_step_",
     "open_rounds",
     "outer_step_",
-    "plan_fragments",
-    "plan_module",
     "pseudo_gradient",
     "quantization_report",
     "quantize",

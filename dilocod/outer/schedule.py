@@ -15,18 +15,24 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
-from dilocod.outer.plan import FragmentPlan
+
+class Fragmented(Protocol):
+    """A plan of fragments (dilocod.model.plan.FragmentPlan): the schedule needs their count only."""
+
+    @property
+    def num_fragments(self) -> int: ...
 
 
-def _fragment_count(plan: FragmentPlan | int) -> int:
-    count = plan.num_fragments if isinstance(plan, FragmentPlan) else plan
+def _fragment_count(plan: Fragmented | int) -> int:
+    count = plan if isinstance(plan, int) else plan.num_fragments
     if count < 1:
         raise ValueError(f"the number of fragments must be at least 1, got {count}")
     return count
 
 
-def round_fragment(round_index: int, plan: FragmentPlan | int) -> int:
+def round_fragment(round_index: int, plan: Fragmented | int) -> int:
     """The fragment round round_index syncs: round_index mod P."""
     if round_index < 0:
         raise ValueError(f"round index must not be negative, got {round_index}")
@@ -48,7 +54,7 @@ def quorum_clock(learner_steps: Iterable[int], quorum: int, previous: int = 0) -
     return max(previous, steps[quorum - 1])
 
 
-def rounds_due(clock: int, sync_every: int, plan: FragmentPlan | int) -> int:
+def rounds_due(clock: int, sync_every: int, plan: Fragmented | int) -> int:
     """How many rounds are due by clock g: round r is due once g >= (r + 1) * H / P.
 
     Integer arithmetic, so H need not be a multiple of P: with H = 30 and P = 24 the rounds come at
@@ -61,7 +67,7 @@ def rounds_due(clock: int, sync_every: int, plan: FragmentPlan | int) -> int:
     return clock * _fragment_count(plan) // sync_every
 
 
-def due_step(round_index: int, sync_every: int, plan: FragmentPlan | int) -> int:
+def due_step(round_index: int, sync_every: int, plan: Fragmented | int) -> int:
     """The clock (a learner's step count) at which round round_index falls due: the smallest g
     with rounds_due(g) > round_index, i.e. ceil((round_index + 1) * H / P)."""
     if round_index < 0:
@@ -84,7 +90,7 @@ def open_rounds(
     next_round: int,
     open_fragments: Collection[int],
     sync_every: int,
-    plan: FragmentPlan | int,
+    plan: Fragmented | int,
 ) -> list[RoundOpening]:
     """The rounds from next_round that clock has made due, each opened or skipped.
 

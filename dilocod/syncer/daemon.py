@@ -25,11 +25,12 @@ import structlog
 
 from dilocod.config import SyncerConfig
 from dilocod.contract import LearnerContext
-from dilocod.learner.entry import EntryError, load_trainer
-from dilocod.learner.layout import PlanMismatch, model_entries
+from dilocod.model.compare import PlanMismatch
+from dilocod.model.entry import EntryError, load_trainer
+from dilocod.model.params import model_entries
+from dilocod.model.plan import plan_fragments
 from dilocod.ops.notify import watchdog_loop
 from dilocod.ops.statedir import StateDirError, StateNotSaved, hold_state_dir, probe_writes
-from dilocod.outer import plan_fragments
 from dilocod.syncer.checkpoint import CheckpointError, load_latest_checkpoint
 from dilocod.syncer.model import GlobalModel, ModelMismatch
 from dilocod.syncer.rounds import RoundConfig, Rounds

@@ -1,7 +1,7 @@
 """The syncer's global model: every fragment's parameters and Nesterov buffers in float32, laid out
 exactly as the fragment travels on the wire, and the read-only snapshots that updates are sent from.
 
-Layout. Fragment p's pieces (row slices of parameters, outer.plan) are packed by
+Layout. Fragment p's pieces (row slices of parameters, model.plan) are packed by
 wire.manifest.fragment_manifest into one buffer (the "master": an anonymous map at first, a pooled
 one from its first merge on), with torch views onto it; the momentum buffer has the same layout. A push
 of fragment p must carry exactly that manifest (float32 outer gradients), so its bytes are read in
@@ -63,7 +63,8 @@ import torch
 import xxhash
 from torch import Tensor
 
-from dilocod.outer import FragmentPlan, embedding_mask, outer_step_
+from dilocod.model.plan import FragmentPlan
+from dilocod.outer import embedding_mask, outer_step_
 from dilocod.outer.guard import (
     DEFAULT_MAX_FRAGMENT_RATIO,
     NON_FINITE_RESULT,
@@ -497,23 +498,3 @@ def hash_fragment(buffer: Buffer, chunk_bytes: int) -> tuple[list[int], int]:
         checksums.append(xxhash.xxh3_64_intdigest(chunk))
         whole.update(chunk)
     return checksums, whole.intdigest()
-
-
-def first_mismatch(ours: Sequence[ModelEntry], theirs: Sequence[ModelEntry]) -> str | None:
-    """A sentence naming the first difference in names or shapes, or None. Dtypes may differ: the
-    syncer keeps float32 and a learner may train in bf16."""
-    mine = {s.name: s for s in ours}
-    other = {s.name: s for s in theirs}
-    for spec in ours:
-        peer = other.get(spec.name)
-        if peer is None:
-            return f"parameter {spec.name!r} is missing from the learner's model"
-        if peer.shape != spec.shape:
-            theirs_shape, ours_shape = list(peer.shape), list(spec.shape)
-            return (
-                f"parameter {spec.name!r} has shape {theirs_shape} at the learner, {ours_shape} at the syncer"
-            )
-    for spec in theirs:
-        if spec.name not in mine:
-            return f"the learner's parameter {spec.name!r} is not in the syncer's model"
-    return None

@@ -30,13 +30,14 @@ from typing import Any
 import structlog
 
 from dilocod.config import SyncerConfig
+from dilocod.model.compare import first_difference
 from dilocod.ops.figures import quantiles
 from dilocod.ops.looplag import LoopLag
 from dilocod.ops.priority import lower_this_thread
 from dilocod.outer.guard import Verdict
 from dilocod.precision import decode
 from dilocod.syncer.checkpoint import CheckpointPruneError, FragmentedModel, save_fragments
-from dilocod.syncer.model import Encoding, GlobalModel, MergeRejected, Snapshot, first_mismatch
+from dilocod.syncer.model import Encoding, GlobalModel, MergeRejected, Snapshot
 from dilocod.syncer.pushes import PushStore
 from dilocod.syncer.rounds import Action, Carry, Merge, Push, Refusal, Release, Request, Rounds
 from dilocod.syncer.steprate import StepRates
@@ -426,7 +427,7 @@ class SyncerService:
         if not isinstance(first, Join):
             await self._refuse(session, ErrorCode.NOT_JOINED, f"{type(first).__name__} before JOIN")
             return
-        mismatch = first_mismatch(self._specs, first.model)
+        mismatch = first_difference(first.model, self._specs, "the learner", "the syncer")
         if mismatch is not None:
             log.warning("model mismatch", learner=session.peer.peer_id, detail=mismatch)
             await self._refuse(session, ErrorCode.MODEL_MISMATCH, mismatch)

@@ -959,9 +959,9 @@ def _final_fragments(syncer_state: Path, entry: str) -> list[tuple[int, str]]:
     """(version, xxh3-64 of the bytes) of every fragment in the syncer's newest checkpoint, laid
     out as the syncer sends them (its plan and layout, rebuilt the way the syncer builds them)."""
     from dilocod.contract import LearnerContext
-    from dilocod.learner.entry import load_trainer
-    from dilocod.learner.layout import model_entries
-    from dilocod.outer import plan_fragments
+    from dilocod.model.entry import load_trainer
+    from dilocod.model.params import model_entries
+    from dilocod.model.plan import plan_fragments
     from dilocod.syncer.checkpoint import load_latest_checkpoint
     from dilocod.syncer.model import GlobalModel
     from dilocod.wire.codecs import checksum

@@ -2,7 +2,7 @@
 equivalence tests: what a lock-step run of M learners must produce, step for step.
 
 Independent of dilocod's own maths on purpose: nothing here imports dilocod but the fragment plan
-(dilocod.outer.plan and the manifest names of its pieces, docs/design.md §3.1: which rows of which
+(dilocod.model.plan and the manifest names of its pieces, docs/design.md §3.1: which rows of which
 parameters a fragment holds, not maths; both sides must cut the model alike). The outer gradient
 is δ = anchor - θ per piece (a parameter's rows in one fragment, keyed `name` or
 `name[start:stop]`), the merge is the weighted mean or RDA (docs/design.md §3.4 step 3, computed in
@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from dilocod.outer.plan import plan_fragments
+from dilocod.model.plan import plan_fragments
 from dilocod.wire.manifest import fragment_shapes
 
 #: Below this ‖u‖ the directions of an RDA merge cancel and the weighted mean is used instead.
@@ -47,7 +47,7 @@ Piece = tuple[str, int, int]
 
 
 def plan_pieces(shapes: Mapping[str, tuple[int, ...]], count: int) -> list[dict[str, Piece]]:
-    """docs/design.md §3.1, by dilocod.outer.plan: each fragment's pieces keyed by the name its
+    """docs/design.md §3.1, by dilocod.model.plan: each fragment's pieces keyed by the name its
     manifest gives them (`name` for a whole tensor, `name[start:stop]` for a row slice)."""
     plan = plan_fragments(list(shapes.items()), count)
     out = []

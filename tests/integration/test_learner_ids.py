@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from dilocod.learner.layout import model_entries
 from dilocod.learner.state import learner_instance
+from dilocod.model.params import model_entries
 from dilocod.transport.endpoints import connect
 from dilocod.transport.errors import SessionClosed
 from dilocod.transport.loop import run

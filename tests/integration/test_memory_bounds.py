@@ -125,7 +125,7 @@ def test_syncer_and_learner_memory_stay_near_their_floors(
     monkeypatch.setenv("DILOCOD_SCALE_STEP_S", STEP_S)
     built_and_dropped = (
         "from dilocod.contract import LearnerContext\n"
-        "from dilocod.learner.entry import load_trainer\n"
+        "from dilocod.model.entry import load_trainer\n"
         "trainer = load_trainer('dilocod.examples.scale:make_trainer', "
         "LearnerContext('s', 'syncer', 'cpu', 0, 1, None, 0))\n"
         "del trainer"

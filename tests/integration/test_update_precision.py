@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from dilocod.learner.layout import model_entries
-from dilocod.outer import plan_fragments
+from dilocod.model.params import model_entries
+from dilocod.model.plan import plan_fragments
 from dilocod.precision import recast
 from dilocod.syncer.checkpoint import load_latest_checkpoint
 from dilocod.syncer.model import GlobalModel

@@ -14,7 +14,7 @@ import torch
 from dilocod import LearnerContext, StepResult
 from dilocod.examples import charlm
 from dilocod.examples.charlm import data
-from dilocod.learner.entry import load_trainer
+from dilocod.model.entry import load_trainer
 
 ENTRY = "dilocod.examples.charlm:make_trainer"
 

@@ -13,7 +13,7 @@ import pytest
 
 import dilocod
 from dilocod import LearnerContext, StepResult, Trainer
-from dilocod.learner.entry import (
+from dilocod.model.entry import (
     ENTRY_POINT_GROUP,
     EntryError,
     check_step_result,

@@ -25,7 +25,8 @@ from dilocod.learner.device import (
     HostCopier,
     HostPins,
 )
-from dilocod.learner.layout import FragmentLayout, layouts_for, model_entries
+from dilocod.learner.layout import FragmentLayout, layouts_for
+from dilocod.model.params import model_entries
 from dilocod.wire.messages import Plan
 from tests.unit.device_standins import StandInEvent, StandInStreams, recording_pins
 

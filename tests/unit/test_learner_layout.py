@@ -10,8 +10,10 @@ import struct
 import pytest
 import torch
 
-from dilocod.learner.layout import FragmentLayout, layouts_for, model_entries
-from dilocod.outer import apply_update_, plan_module
+from dilocod.learner.layout import FragmentLayout, layouts_for
+from dilocod.model.params import model_entries
+from dilocod.model.plan import plan_module
+from dilocod.outer import apply_update_
 from dilocod.wire.manifest import fragment_manifest, pack_manifest
 from dilocod.wire.messages import Plan
 

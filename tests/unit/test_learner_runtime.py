@@ -26,11 +26,12 @@ from torch import Tensor, nn
 from dilocod.contract import StepResult, Trainer
 from dilocod.learner.bridge import Adopt, Bridge, LostPush
 from dilocod.learner.device import Copier, DeviceCopier, DeviceCopy
-from dilocod.learner.entry import EntryError, StepFailed
-from dilocod.learner.layout import PlanMismatch, model_entries
 from dilocod.learner.link import compute_push
 from dilocod.learner.runtime import LearnerStopped, RuntimeConfig, TrainingLoop
 from dilocod.learner.state import STATE_FILE, LocalStateError
+from dilocod.model.compare import PlanMismatch
+from dilocod.model.entry import EntryError, StepFailed
+from dilocod.model.params import model_entries
 from dilocod.wire.codecs import checksum
 from dilocod.wire.manifest import ModelEntry, TensorEntry, pack_manifest, piece_rows
 from dilocod.wire.messages import FragmentRequest, Plan

@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 from dilocod.config import SyncerConfig
-from dilocod.learner.layout import model_entries
+from dilocod.model.params import model_entries
+from dilocod.model.plan import plan_fragments
 from dilocod.ops.status import format_status
-from dilocod.outer import plan_fragments
 from dilocod.syncer.checkpoint import load_latest_checkpoint
 from dilocod.syncer.daemon import _restore_roster
 from dilocod.syncer.model import GlobalModel

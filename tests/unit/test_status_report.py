@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from dilocod.config import SyncerConfig
-from dilocod.learner.layout import model_entries
+from dilocod.model.params import model_entries
+from dilocod.model.plan import plan_fragments
 from dilocod.ops.status import format_status
-from dilocod.outer import plan_fragments
 from dilocod.syncer.model import GlobalModel
 from dilocod.syncer.rounds import RoundConfig, Rounds
 from dilocod.syncer.service import SyncerService, _Peer

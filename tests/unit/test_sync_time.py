@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from dilocod.config import SyncerConfig
-from dilocod.learner.layout import model_entries
-from dilocod.outer import plan_fragments
+from dilocod.model.params import model_entries
+from dilocod.model.plan import plan_fragments
 from dilocod.outer.guard import ACCEPTED, Verdict
 from dilocod.syncer.model import GlobalModel
 from dilocod.syncer.rounds import CLOSED_ROUNDS_PER_FRAGMENT, Merge, Push, Request, RoundConfig, Rounds

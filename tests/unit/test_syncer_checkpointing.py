@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from dilocod.config import SyncerConfig
-from dilocod.learner.layout import model_entries
-from dilocod.outer import plan_fragments
+from dilocod.model.params import model_entries
+from dilocod.model.plan import plan_fragments
 from dilocod.syncer import checkpoint
 from dilocod.syncer.checkpoint import Lent, load_latest_checkpoint
 from dilocod.syncer.model import GlobalModel

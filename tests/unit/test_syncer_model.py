@@ -15,15 +15,15 @@ import torch
 from structlog.testing import capture_logs
 
 from dilocod.config import SyncerConfig
-from dilocod.learner.layout import model_entries
-from dilocod.outer import mean_merge, nesterov_step_, plan_fragments, rda_merge
+from dilocod.model.params import model_entries
+from dilocod.model.plan import plan_fragments
+from dilocod.outer import mean_merge, nesterov_step_, rda_merge
 from dilocod.outer.guard import FRAGMENT_NORM_TOO_LARGE, NON_FINITE_RESULT, l2_norm
 from dilocod.syncer.buffers import BufferPool
-from dilocod.syncer.model import GlobalModel, MergeRejected, ModelMismatch, first_mismatch
+from dilocod.syncer.model import GlobalModel, MergeRejected, ModelMismatch
 from dilocod.syncer.rounds import Merge, Push, Request, RoundConfig, Rounds
 from dilocod.syncer.service import SyncerService
 from dilocod.wire.codecs import checksum, chunk_checksums
-from dilocod.wire.manifest import ModelEntry
 
 CHUNK = 4096
 
@@ -106,16 +106,6 @@ def test_loading_a_different_model_names_the_difference() -> None:
     del state["hidden.weight"]
     with pytest.raises(ModelMismatch, match=r"'hidden\.weight' is missing"):
         model.load(state)
-
-
-def test_first_mismatch() -> None:
-    ours = [ModelEntry("a", "float32", (2, 3)), ModelEntry("b", "float32", (4,))]
-    assert (
-        first_mismatch(ours, [ModelEntry("b", "bfloat16", (4,)), ModelEntry("a", "float32", (2, 3))]) is None
-    )
-    assert "'a' has shape [3, 2]" in str(first_mismatch(ours, [ModelEntry("a", "float32", (3, 2)), ours[1]]))
-    assert "'b' is missing" in str(first_mismatch(ours, ours[:1]))
-    assert "'c' is not in the syncer" in str(first_mismatch(ours, [*ours, ModelEntry("c", "float32", (1,))]))
 
 
 def test_publishing_sends_the_master_itself() -> None:

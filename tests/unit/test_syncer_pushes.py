@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from dilocod.config import SyncerConfig
-from dilocod.learner.layout import model_entries
-from dilocod.outer import plan_fragments
+from dilocod.model.params import model_entries
+from dilocod.model.plan import plan_fragments
 from dilocod.syncer.buffers import BufferPool
 from dilocod.syncer.model import GlobalModel
 from dilocod.syncer.pushes import LATE_DIR, PushStore, Where

@@ -12,10 +12,10 @@ import torch
 from structlog.testing import capture_logs
 
 from dilocod.learner.bridge import Bridge
-from dilocod.learner.layout import model_entries
 from dilocod.learner.link import Link, LinkConfig
 from dilocod.learner.plancheck import UpdateRefused, update_precision
-from dilocod.outer import plan_fragments
+from dilocod.model.params import model_entries
+from dilocod.model.plan import plan_fragments
 from dilocod.precision import recast, tensor_views
 from dilocod.syncer.model import GlobalModel
 from dilocod.transport.session import FragmentReceived

@@ -20,10 +20,10 @@ from structlog.testing import capture_logs
 
 from dilocod.config import Address
 from dilocod.learner.bridge import Bridge
-from dilocod.learner.layout import PlanMismatch, check_plan
+from dilocod.learner.layout import check_plan
 from dilocod.learner.link import Link, LinkConfig
+from dilocod.model.compare import PlanMismatch, first_difference
 from dilocod.ops.status import describe_failure
-from dilocod.syncer.model import first_mismatch
 from dilocod.transport.errors import HandshakeFailed
 from dilocod.wire.errors import ErrorCode
 from dilocod.wire.manifest import ModelEntry
@@ -114,7 +114,7 @@ def test_tls_failures_name_tls_and_the_flags() -> None:
 def test_the_syncers_mismatch_message_names_the_syncer() -> None:
     syncer = [ModelEntry("a", "float32", (2, 3))]
     learner = [ModelEntry("a", "float32", (3, 2))]
-    message = str(first_mismatch(syncer, learner))
+    message = str(first_difference(learner, syncer, "the learner", "the syncer"))
     assert message == "parameter 'a' has shape [3, 2] at the learner, [2, 3] at the syncer"
 
 

@@ -10,18 +10,17 @@ import pytest
 import torch
 from torch import nn
 
+from dilocod.model.plan import Piece, plan_module
 from dilocod.outer import (
     apply_update_,
     merge_weights,
     nesterov_step_,
     open_rounds,
     outer_step_,
-    plan_module,
     pseudo_gradient,
     quorum_clock,
     rda_merge,
 )
-from dilocod.outer.plan import Piece
 
 H = 4  # steps between two syncs of one fragment
 P = 2  # fragments: a round every H / P = 2 steps

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dilocod.outer import RoundOpening, open_rounds, plan_fragments, quorum_clock, round_fragment, rounds_due
+from dilocod.model.plan import plan_fragments
+from dilocod.outer import RoundOpening, open_rounds, quorum_clock, round_fragment, rounds_due
 
 
 def test_round_fragment_cycles_through_the_plan() -> None:

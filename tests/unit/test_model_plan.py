@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from dilocod.examples.charlm.model import CharLM, CharLMConfig
-from dilocod.outer import FragmentPlan, module_sizes, plan_fragments, plan_module
+from dilocod.model.plan import FragmentPlan, module_sizes, plan_fragments, plan_module
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -142,7 +142,7 @@ def test_deterministic_across_processes() -> None:
     here = plan_fragments(sizes, 24).to_lists()
     script = (
         "import json, sys\n"
-        "from dilocod.outer.plan import plan_fragments\n"
+        "from dilocod.model.plan import plan_fragments\n"
         "sizes = [(n, s if isinstance(s, int) else tuple(s)) for n, s in json.load(sys.stdin)]\n"
         "print(json.dumps(plan_fragments(sizes, 24).to_lists()))\n"
     )

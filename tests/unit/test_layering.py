@@ -1,0 +1,107 @@
+"""The layering of dilocod's packages, checked on every import statement of every module (function
+level included), not stated in prose: each top-level part of the package may import only the parts
+DEPENDS_ON lists, and the rules below hold of that table itself, so loosening one fails here too.
+
+    cli, demo  ->  syncer, learner  ->  model, precision, ops, linkbench  ->  transport, config  ->  wire
+                   syncer, learner, precision  ->  outer
+
+wire and outer import nothing of the project; transport never imports the syncer or the learner;
+the syncer and the learner never import each other (what both need is in model/); nothing imports
+tests."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "dilocod"
+
+#: Each part of the package (a subpackage, or a top-level module by its name) and the other parts
+#: it may import.
+DEPENDS_ON: dict[str, set[str]] = {
+    "wire": set(),
+    "outer": set(),
+    "contract": set(),
+    "examples": {"contract"},
+    "config": {"wire"},
+    "transport": {"wire"},
+    "precision": {"outer", "wire"},
+    "model": {"contract", "wire"},
+    "ops": {"config", "transport", "wire"},
+    "linkbench": {"config", "ops", "transport", "wire"},
+    "learner": {"config", "contract", "model", "ops", "outer", "precision", "transport", "wire"},
+    "syncer": {"config", "contract", "model", "ops", "outer", "precision", "transport", "wire"},
+    "demo": {"config", "contract", "model", "ops", "syncer", "transport"},
+    "cli": {"__init__", "config", "demo", "learner", "linkbench", "model", "ops", "syncer", "transport"},
+    "__init__": {"contract"},
+    "__main__": {"cli"},
+}
+
+
+def part_of(path: Path) -> str:
+    first = path.relative_to(PACKAGE).parts[0]
+    return first.removesuffix(".py")
+
+
+def imported_parts(path: Path) -> set[str]:
+    """The parts of dilocod a module imports ("__init__" for `dilocod` itself), and "tests"."""
+    parts: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: within its own part
+                continue
+            names = [node.module or ""]
+        for name in names:
+            top, _, rest = name.partition(".")
+            if top == "dilocod":
+                parts.add(rest.split(".")[0] if rest else "__init__")
+            elif top == "tests":
+                parts.add("tests")
+    return parts
+
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+def test_every_part_of_the_package_has_its_place_in_the_table() -> None:
+    assert {part_of(path) for path in MODULES} == set(DEPENDS_ON)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_a_module_imports_only_what_its_part_may(path: Path) -> None:
+    part = part_of(path)
+    beyond = imported_parts(path) - {part} - DEPENDS_ON[part]
+    assert not beyond, f"dilocod/{path.relative_to(PACKAGE)} ({part}) imports {sorted(beyond)}"
+
+
+def test_the_rules_hold_of_the_table() -> None:
+    assert DEPENDS_ON["wire"] == set() and DEPENDS_ON["outer"] == set()
+    assert not DEPENDS_ON["transport"] & {"syncer", "learner"}
+    assert "learner" not in DEPENDS_ON["syncer"] and "syncer" not in DEPENDS_ON["learner"]
+    assert all("tests" not in allowed for allowed in DEPENDS_ON.values())
+
+
+def test_what_the_table_allows_is_acyclic() -> None:
+    done: set[str] = set()
+
+    def visit(part: str, path: tuple[str, ...]) -> None:
+        assert part not in path, f"a cycle: {' -> '.join((*path, part))}"
+        if part in done:
+            return
+        for other in DEPENDS_ON[part]:
+            visit(other, (*path, part))
+        done.add(part)
+
+    for part in DEPENDS_ON:
+        visit(part, ())
+
+
+def test_the_check_sees_imports_inside_functions(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    from dilocod.learner.link import Link\n    import tests.x\n")
+    assert imported_parts(module) == {"learner", "tests"}

@@ -415,8 +415,8 @@ def bench_run(
     for every stream count and codec, the RTT, a push-then-update round trip, optionally gloo, the
     host's TCP settings against the bandwidth-delay product, and a recommendation for the learner."""
     from dilocod.linkbench.client import advice_from, figures_of, measure_link  # noqa: PLC0415
-    from dilocod.transport import tuning  # noqa: PLC0415
     from dilocod.transport.loop import run  # noqa: PLC0415
+    from dilocod.tuning.advice import save_advice  # noqa: PLC0415
 
     address = _parsed(lambda: parse_address(target, key="--target", default_port=DEFAULT_PORT))
     for_syncer = (
@@ -439,7 +439,7 @@ def bench_run(
     document = {"links": [{"rate": "as found", **link}]}
     _report(document, json_out, plot_out, table=table)
     if save_advice:
-        path = tuning.save_advice(advice_from(link, figures_of(link), for_syncer))
+        path = save_advice(advice_from(link, figures_of(link), for_syncer))
         click.echo(f"recommendation saved to {path} for {for_syncer or 'any syncer'}", err=True)
 
 
@@ -778,7 +778,7 @@ def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: An
     configure_logging()
     advice = None
     if "auto" in (config.streams, config.codec):
-        from dilocod.transport.tuning import load_advice  # noqa: PLC0415
+        from dilocod.tuning.advice import load_advice  # noqa: PLC0415
 
         advice = load_advice(str(config.syncer))  # None (a warning if unusable): the learner measures
     import torch  # noqa: PLC0415 - after the cheap checks, so typos fail fast

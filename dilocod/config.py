@@ -404,7 +404,7 @@ class LearnerConfig:
     #: else enough for 5 Gbit/s at the RTT measured on connecting (dilocod.learner.link).
     streams: int | str = "auto"
     #: Codec of pushes; "auto": what `dilocod bench run` saved for this syncer, else tuned on the
-    #: learner's own outer gradients and push throughput (dilocod.transport.tuning.CodecTuner).
+    #: learner's own outer gradients and push throughput (dilocod.tuning.tuner.CodecTuner).
     codec: str = "auto"
     precision: str = "fp32"
     apply: str = "overwrite"

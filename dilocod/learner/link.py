@@ -61,19 +61,10 @@ from dilocod.transport.endpoints import connect
 from dilocod.transport.errors import HandshakeFailed, SessionClosed, TransferFailed
 from dilocod.transport.options import TransportOptions
 from dilocod.transport.session import FragmentReceived, Session, allocate_bytearray
-from dilocod.transport.tuning import (
-    AUTO_RATE_GBPS,
-    Advice,
-    CodecChoice,
-    CodecFigure,
-    CodecTuner,
-    PushMeter,
-    auto_streams,
-    bdp_warning,
-    measure_codecs,
-    read_tcp_settings,
-    spread_sample,
-)
+from dilocod.tuning.advice import Advice
+from dilocod.tuning.codecs import CodecChoice, CodecFigure, measure_codecs, spread_sample
+from dilocod.tuning.streams import AUTO_RATE_GBPS, auto_streams, bdp_warning, read_tcp_settings
+from dilocod.tuning.tuner import CodecTuner, PushMeter
 from dilocod.wire.codecs import chunk_checksums
 from dilocod.wire.errors import ErrorCode, RemoteProtocolError
 from dilocod.wire.layouts import push_layout

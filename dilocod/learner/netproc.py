@@ -1021,7 +1021,7 @@ class ChildConfig:
 
 def encode_config(link: Any, model: Sequence[Any], incarnation: str, use_uvloop: bool) -> dict[str, Any]:
     """The child's configuration as plain values (the TLS context is rebuilt from its files)."""
-    from dilocod.transport.tuning import advice_to_json  # noqa: PLC0415
+    from dilocod.tuning.advice import advice_to_json  # noqa: PLC0415
 
     values = {
         name: getattr(link, name)
@@ -1055,7 +1055,7 @@ def decode_config(raw: dict[str, Any]) -> ChildConfig:
 
     from dilocod.learner.link import LinkConfig  # noqa: PLC0415
     from dilocod.transport.credentials import TlsFiles, client_context  # noqa: PLC0415
-    from dilocod.transport.tuning import advice_from_json  # noqa: PLC0415
+    from dilocod.tuning.advice import advice_from_json  # noqa: PLC0415
     from dilocod.wire.limits import DEFAULT_LIMITS  # noqa: PLC0415
     from dilocod.wire.manifest import parse_model  # noqa: PLC0415
 

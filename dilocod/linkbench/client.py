@@ -30,10 +30,12 @@ from typing import Any, Protocol
 from dilocod.linkbench.gloo import free_port, interface_for
 from dilocod.linkbench.raw import RawClient
 from dilocod.linkbench.serve import ECHO_ROUND, GLOO_ROUND
-from dilocod.transport import tuning
 from dilocod.transport.endpoints import connect
 from dilocod.transport.options import TransportOptions
 from dilocod.transport.session import FragmentReceived, Session
+from dilocod.tuning.advice import Advice
+from dilocod.tuning.codecs import CodecChoice, CodecFigure, choose_codec, measure_codecs
+from dilocod.tuning.streams import TcpSettings, auto_streams, bdp_warning, choose_streams, read_tcp_settings
 from dilocod.wire.codecs import chunk_checksums
 from dilocod.wire.manifest import pack_manifest
 from dilocod.wire.messages import PushHeader, StatusRequest, StatusResponse, UpdateHeader
@@ -63,7 +65,7 @@ class Progress(Protocol):
 class RunPlan:
     size_bytes: int = 256 << 20
     #: Data connection counts; AUTO_STREAMS is what `dilocod learner --streams auto` would open
-    #: without advice at the RTT measured here (tuning.auto_streams).
+    #: without advice at the RTT measured here (auto_streams).
     streams: tuple[int, ...] = (1, 2, 4, 8)
     codecs: tuple[str, ...] = ("none", "lz4", "zstd", "auto")
     duration_s: float = 20.0
@@ -159,9 +161,9 @@ class _Link:
     data: bytearray
     item: int
     progress: Progress
-    figures: list[tuning.CodecFigure]
+    figures: list[CodecFigure]
     repeats: int = 1
-    auto: tuning.CodecChoice | None = None
+    auto: CodecChoice | None = None
     checksums: list[int] | None = None
 
     async def combinations(self, streams: int, secret: bytes | None) -> tuple[list[dict[str, Any]], float]:
@@ -200,9 +202,7 @@ class _Link:
             return name
         if self.auto is None:
             # The first ceiling of this link is the rate the model plans for.
-            self.auto = tuning.choose_codec(
-                self.figures, statistics.median(ceilings), self.plan.codec_threads
-            )
+            self.auto = choose_codec(self.figures, statistics.median(ceilings), self.plan.codec_threads)
             self.progress.note(f"auto codec: {self.auto.codec} ({self.auto.reason})")
         return self.auto.codec
 
@@ -335,13 +335,13 @@ async def measure_link(
         await session.close("bench probe done")
     rtt_s = measure_rtt(host, raw_port)
     progress.advance(f"RTT {rtt_s * 1e3:.3f} ms")
-    settings = tuning.read_tcp_settings()
-    auto_choice = tuning.auto_streams(rtt_s, settings) if AUTO_STREAMS in plan.streams else None
+    settings = read_tcp_settings()
+    auto_choice = auto_streams(rtt_s, settings) if AUTO_STREAMS in plan.streams else None
     if auto_choice is not None:
         progress.note(f"auto streams: {auto_choice.streams} ({auto_choice.reason})")
     counts = [auto_choice.streams if s == AUTO_STREAMS and auto_choice else s for s in plan.streams]
     sample = memoryview(data)[: min(len(data), 32 << 20)]
-    figures = tuning.measure_codecs(sample, chunk_bytes=plan.chunk_bytes, shuffle_item_size=item)
+    figures = measure_codecs(sample, chunk_bytes=plan.chunk_bytes, shuffle_item_size=item)
     link = _Link(host, port, raw_port, plan, data, item, progress, figures)
     # Fit the repeats into --duration from one raw transfer's time (the slowest part of each pair
     # is the raw or the uncompressed push, both about one transfer at the link's rate).
@@ -374,8 +374,8 @@ async def measure_link(
     warnings = [
         w
         for w in (
-            tuning.bdp_warning(raw_gbps, rtt_s, settings, recommendation["streams"]),
-            tuning.bdp_warning(raw_gbps, plan.assumed_rtt_s, settings, recommendation["streams"]),
+            bdp_warning(raw_gbps, rtt_s, settings, recommendation["streams"]),
+            bdp_warning(raw_gbps, plan.assumed_rtt_s, settings, recommendation["streams"]),
         )
         if w is not None
     ]
@@ -406,8 +406,8 @@ def recommend(
     runs: list[dict[str, Any]],
     raw_gbps: float,
     rtt_s: float,
-    settings: tuning.TcpSettings,
-    auto: tuning.CodecChoice | None,
+    settings: TcpSettings,
+    auto: CodecChoice | None,
     plan: RunPlan,
 ) -> dict[str, Any]:
     """Streams: the fewest measured that come within STREAMS_TOLERANCE of the best, but never fewer
@@ -415,7 +415,7 @@ def recommend(
     (what "auto" measured), else the best fixed codec measured."""
     best = max(r["gbps"] for r in runs)
     good = sorted(r["streams"] for r in runs if r["gbps"] >= best * (1 - STREAMS_TOLERANCE))
-    by_bdp = tuning.choose_streams(raw_gbps, rtt_s, settings.max_window_bytes)
+    by_bdp = choose_streams(raw_gbps, rtt_s, settings.max_window_bytes)
     streams = max(good[0], by_bdp.streams)
     if auto is not None:
         codec, reason = auto.codec, auto.reason
@@ -431,11 +431,11 @@ def recommend(
     }
 
 
-def advice_from(link: dict[str, Any], figures: list[tuning.CodecFigure], target: str = "") -> tuning.Advice:
+def advice_from(link: dict[str, Any], figures: list[CodecFigure], target: str = "") -> Advice:
     """The learner's advice from a measured link, saved for the syncer address `target` ("" = any
     syncer: the bench server usually listens on another port, or host, than the syncer)."""
     rec = link["recommendation"]
-    return tuning.Advice(
+    return Advice(
         target=target,
         rate_gbps=link["raw_gbps"],
         rtt_ms=link["rtt_ms"],
@@ -447,9 +447,9 @@ def advice_from(link: dict[str, Any], figures: list[tuning.CodecFigure], target:
     )
 
 
-def figures_of(link: dict[str, Any]) -> list[tuning.CodecFigure]:
+def figures_of(link: dict[str, Any]) -> list[CodecFigure]:
     return [
-        tuning.CodecFigure(f["codec"], f["ratio"], _inf(f["compress_gbps"]), _inf(f["decompress_gbps"]))
+        CodecFigure(f["codec"], f["ratio"], _inf(f["compress_gbps"]), _inf(f["decompress_gbps"]))
         for f in link["codec_figures"]
     ]
 
@@ -458,7 +458,7 @@ def _inf(value: float | None) -> float:
     return math.inf if value is None else float(value)
 
 
-def _figure_json(figure: tuning.CodecFigure) -> dict[str, Any]:
+def _figure_json(figure: CodecFigure) -> dict[str, Any]:
     # JSON has no infinity: an unbounded codec speed (none) is written as null.
     out = asdict(figure)
     for key in ("compress_gbps", "decompress_gbps"):
@@ -467,7 +467,7 @@ def _figure_json(figure: tuning.CodecFigure) -> dict[str, Any]:
     return out
 
 
-def _settings_json(settings: tuning.TcpSettings) -> dict[str, Any]:
+def _settings_json(settings: TcpSettings) -> dict[str, Any]:
     out = asdict(settings)
     out["max_window_bytes"] = settings.max_window_bytes
     return out

@@ -1,10 +1,14 @@
-"""Prometheus metrics: a small registry rendering text exposition format 0.0.4, and the HTTP
-endpoint that serves it.
+"""The /metrics endpoint: the text prometheus_client renders (exposition format 0.0.4), served on
+the daemon's own event loop.
 
-Owns metric names, label escaping and the /metrics listener. The registry is filled by the daemons;
-what a metric means belongs to them. The server is deliberately tiny (one request per connection,
-GET /metrics only) because a scraper calls it every few seconds at most; every read and write has a
-deadline and the request head a size cap, so a stalled or hostile client costs one bounded slot.
+Owns the listener, not the metrics: what a metric means, and its families, belong to the daemons
+(dilocod.syncer.metrics, with prometheus_client's collectors and exposition). The endpoint is
+written here rather than taken from prometheus_client because its servers are a thread per
+request with neither a read deadline nor a request-size cap (start_http_server) or need an ASGI
+server beside the daemon (make_asgi_app): this one is a coroutine per connection on the loop that
+already runs (one request per connection, GET or HEAD /metrics only, as a scraper calls it every
+few seconds at most), every read and write has a deadline, the request head a size cap and the
+connections a count cap, so a stalled or hostile client costs one bounded slot.
 Must not import torch, dilocod.transport or dilocod.wire.
 """
 
@@ -13,214 +17,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
-import re
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import TracebackType
-from typing import Generic, TypeVar
 
+#: What generate_latest writes (prometheus_client's text exposition, format 0.0.4).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
-_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
-_LARGEST_EXACT_INT = 2**53
-
 log = logging.getLogger(__name__)
-
-
-def _check_metric_name(name: str) -> str:
-    if not _METRIC_NAME.fullmatch(name):
-        raise ValueError(f"invalid metric name {name!r}")
-    return name
-
-
-def _check_label_name(name: str) -> str:
-    # Names starting with "__" are reserved for Prometheus' own use.
-    if not _LABEL_NAME.fullmatch(name) or name.startswith("__"):
-        raise ValueError(f"invalid label name {name!r}")
-    return name
-
-
-def escape_help(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def escape_label_value(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def format_value(value: float) -> str:
-    """Integers without a fraction (most counters are), everything else as Python's shortest repr."""
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if value.is_integer() and abs(value) < _LARGEST_EXACT_INT:
-        return str(int(value))
-    return repr(value)
-
-
-class _Value:
-    """One sample. The lock makes += safe between the training thread and the event loop."""
-
-    __slots__ = ("_lock", "_value")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._value = 0.0
-
-    @property
-    def value(self) -> float:
-        return self._value
-
-
-class CounterValue(_Value):
-    __slots__ = ()
-
-    def inc(self, amount: float = 1.0) -> None:
-        # A counter that goes down reads as a restart to Prometheus' rate(); refuse rather than lie.
-        if not amount >= 0:
-            raise ValueError(f"counters only go up, got {amount!r}")
-        with self._lock:
-            self._value += amount
-
-
-class GaugeValue(_Value):
-    __slots__ = ()
-
-    def set(self, value: float) -> None:
-        with self._lock:
-            self._value = float(value)
-
-    def inc(self, amount: float = 1.0) -> None:
-        with self._lock:
-            self._value += amount
-
-    def dec(self, amount: float = 1.0) -> None:
-        with self._lock:
-            self._value -= amount
-
-
-V = TypeVar("V", bound="_Value")
-F = TypeVar("F", "Counter", "Gauge")
-
-
-class _Family(Generic[V]):
-    """A metric name with HELP, TYPE and its samples, one per combination of label values."""
-
-    kind = ""
-
-    def __init__(self, name: str, help_text: str, labels: tuple[str, ...], make: Callable[[], V]) -> None:
-        self.name = _check_metric_name(name)
-        self.help = help_text
-        self.label_names = tuple(_check_label_name(label) for label in labels)
-        if len(set(self.label_names)) != len(self.label_names):
-            raise ValueError(f"{name}: duplicate label names {self.label_names}")
-        self._make = make
-        self._lock = threading.Lock()
-        self._children: dict[tuple[str, ...], V] = {}
-        if not self.label_names:
-            self._children[()] = make()
-
-    def labels(self, **values: str) -> V:
-        """The sample for these label values, created at zero on first use."""
-        key = self._key(values)
-        with self._lock:
-            child = self._children.get(key)
-            if child is None:
-                child = self._children[key] = self._make()
-            return child
-
-    def remove(self, **values: str) -> None:
-        """Forget one labelled sample (a learner that left), so label sets do not grow forever."""
-        with self._lock:
-            self._children.pop(self._key(values), None)
-
-    def _key(self, values: dict[str, str]) -> tuple[str, ...]:
-        if not self.label_names:
-            raise TypeError(f"{self.name} has no labels")
-        if set(values) != set(self.label_names):
-            raise ValueError(f"{self.name} takes labels {self.label_names}, got {tuple(values)}")
-        return tuple(str(values[label]) for label in self.label_names)
-
-    def _unlabelled(self) -> V:
-        if self.label_names:
-            raise TypeError(f"{self.name} has labels {self.label_names}: use .labels(...)")
-        return self._children[()]
-
-    @property
-    def value(self) -> float:
-        return self._unlabelled().value
-
-    def render(self) -> Iterator[str]:
-        yield f"# HELP {self.name} {escape_help(self.help)}"
-        yield f"# TYPE {self.name} {self.kind}"
-        with self._lock:
-            children = list(self._children.items())
-        for key, child in children:
-            if key:
-                pairs = ",".join(
-                    f'{label}="{escape_label_value(value)}"'
-                    for label, value in zip(self.label_names, key, strict=True)
-                )
-                yield f"{self.name}{{{pairs}}} {format_value(child.value)}"
-            else:
-                yield f"{self.name} {format_value(child.value)}"
-
-
-class Counter(_Family[CounterValue]):
-    kind = "counter"
-
-    def __init__(self, name: str, help_text: str, labels: tuple[str, ...] = ()) -> None:
-        super().__init__(name, help_text, labels, CounterValue)
-
-    def inc(self, amount: float = 1.0) -> None:
-        self._unlabelled().inc(amount)
-
-
-class Gauge(_Family[GaugeValue]):
-    kind = "gauge"
-
-    def __init__(self, name: str, help_text: str, labels: tuple[str, ...] = ()) -> None:
-        super().__init__(name, help_text, labels, GaugeValue)
-
-    def set(self, value: float) -> None:
-        self._unlabelled().set(value)
-
-    def inc(self, amount: float = 1.0) -> None:
-        self._unlabelled().inc(amount)
-
-    def dec(self, amount: float = 1.0) -> None:
-        self._unlabelled().dec(amount)
-
-
-class Registry:
-    """The metrics of one daemon, rendered in registration order."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._families: dict[str, Counter | Gauge] = {}
-
-    def counter(self, name: str, help_text: str, labels: tuple[str, ...] = ()) -> Counter:
-        return self._add(Counter(name, help_text, labels))
-
-    def gauge(self, name: str, help_text: str, labels: tuple[str, ...] = ()) -> Gauge:
-        return self._add(Gauge(name, help_text, labels))
-
-    def _add(self, family: F) -> F:
-        with self._lock:
-            if family.name in self._families:
-                raise ValueError(f"metric {family.name} is already registered")
-            self._families[family.name] = family
-        return family
-
-    def render(self) -> str:
-        with self._lock:
-            families = list(self._families.values())
-        lines = [line for family in families for line in family.render()]
-        return "\n".join(lines) + "\n" if lines else ""
-
 
 _REASONS = {
     200: "OK",
@@ -249,7 +52,8 @@ def _response(status: int, body: bytes, *, content_type: str = "text/plain; char
 class MetricsServer:
     """Serves `render()` on GET /metrics; `async with MetricsServer(host, port, render) as server`.
 
-    `render` runs on the event loop for every scrape, so it must be quick (Registry.render is).
+    `render` runs on the event loop for every scrape, so it must be quick (the syncer's renders
+    its status: a few dozen families).
     Connections beyond `max_connections` are answered 503 and closed at once, so a client opening
     many sockets cannot starve the scraper for longer than `read_timeout_s`.
     """

@@ -45,7 +45,7 @@ from dilocod.transport.endpoints import Server
 from dilocod.transport.errors import SessionClosed, TransferFailed
 from dilocod.transport.options import TransportOptions
 from dilocod.transport.session import FragmentReceived, Session
-from dilocod.transport.tuning import AUTO_RATE_GBPS
+from dilocod.tuning.streams import AUTO_RATE_GBPS
 from dilocod.wire.errors import ErrorCode, RemoteProtocolError
 from dilocod.wire.layouts import PRECISIONS, precision_of, push_layout
 from dilocod.wire.messages import (

@@ -31,7 +31,7 @@ from dilocod.linkbench.local import (
 )
 from dilocod.linkbench.report import schema_errors
 from dilocod.ops.processes import read_ready_line, stop_process
-from dilocod.transport.tuning import load_advice
+from dilocod.tuning.advice import load_advice
 
 from .host import need_root, need_tool
 

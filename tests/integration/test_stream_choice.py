@@ -11,7 +11,7 @@ import pytest
 
 from dilocod.transport.endpoints import connect
 from dilocod.transport.session import Session
-from dilocod.transport.tuning import choose_streams
+from dilocod.tuning.streams import choose_streams
 
 from .support import in_process_server
 

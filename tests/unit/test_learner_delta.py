@@ -138,7 +138,7 @@ def test_the_network_process_imports_no_torch() -> None:
         "from dilocod.learner.netproc import decode_config, _child_main\n"
         "from dilocod.learner.link import Link, LinkConfig, compute_push, codec_figures\n"
         "from dilocod.transport.credentials import client_context\n"
-        "from dilocod.transport.tuning import advice_from_json\n"
+        "from dilocod.tuning.advice import advice_from_json\n"
         "from dilocod.transport.loop import run\n"
         "from dilocod.ops.logging import configure_logging\n"
         "from dilocod.learner.bridge import Snapshot\n"

@@ -14,7 +14,9 @@ from structlog.testing import capture_logs
 import dilocod.learner.link as link_module
 from dilocod.learner.bridge import Bridge
 from dilocod.learner.link import Link, LinkConfig
-from dilocod.transport.tuning import AUTO_MAX_STREAMS, Advice, CodecFigure, TcpSettings
+from dilocod.tuning.advice import Advice
+from dilocod.tuning.codecs import CodecFigure
+from dilocod.tuning.streams import AUTO_MAX_STREAMS, TcpSettings
 
 MiB = 1 << 20
 IMAGE = TcpSettings("bbr", ("bbr",), 4 * MiB, 4 * MiB, (4096, 131072, 32 * MiB), (4096, 16384, 4 * MiB))

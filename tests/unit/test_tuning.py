@@ -17,26 +17,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from dilocod.transport.tuning import (
-    SYSCTL_FILE,
-    Advice,
+from dilocod.tuning.advice import Advice, advice_path, load_advice, save_advice
+from dilocod.tuning.codecs import (
     CodecChoice,
     CodecFigure,
-    CodecTuner,
-    PushMeter,
-    PushPeriod,
-    TcpSettings,
-    advice_path,
-    bdp_warning,
     choose_codec,
-    choose_streams,
-    load_advice,
     measure_codecs,
     predicted_gbps,
-    read_tcp_settings,
-    save_advice,
     spread_sample,
 )
+from dilocod.tuning.streams import SYSCTL_FILE, TcpSettings, bdp_warning, choose_streams, read_tcp_settings
+from dilocod.tuning.tuner import CodecTuner, PushMeter, PushPeriod
 
 MiB = 1 << 20
 INF = math.inf

@@ -42,7 +42,7 @@ def _eval_loss(out: str) -> tuple[float, float]:
 def test_demo_shows_progress_and_what_its_result_means(tmp_path: Path) -> None:
     """The Quick start's first command, short: progress per learner, the syncer's rounds and
     quorum in words, and the eval loss against where it started."""
-    out = _demo(tmp_path, "--minutes", "0.3").stdout
+    out = _demo(tmp_path, "--minutes", "0.2").stdout
     assert re.search(r"^learner-1\s+running\s+step\s+\d+", out, re.MULTILINE), out
     quorum = r"^syncer: \d+ rounds merged .*; quorum: (\d+ rounds? with \d learners?|no round merged yet)"
     assert re.search(quorum, out, re.MULTILINE), out
@@ -53,10 +53,10 @@ def test_demo_shows_progress_and_what_its_result_means(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_demo_with_chaos_reports_the_eval_loss(tmp_path: Path) -> None:
-    # 45 s of chaos after the first merged round: several kills (one every 8 s at most); the test
+    # 30 s of chaos after the first merged round: several kills (one every 6 s at most); the test
     # entry reaches an eval loss near 1e-5 within 20 s, so 0.5 still says training went on.
     plot = tmp_path / "loss.png"
-    out = _demo(tmp_path, "--minutes", "0.75", "--chaos", "--chaos-every-s", "8", "--plot", str(plot)).stdout
+    out = _demo(tmp_path, "--minutes", "0.5", "--chaos", "--chaos-every-s", "6", "--plot", str(plot)).stdout
     # Live progress: a line per learner and the syncer's rounds.
     assert re.search(r"^learner-0\s+running\s+step\s+\d+", out, re.MULTILINE), out
     assert re.search(r"^syncer: \d+ rounds merged \(\d+/min\)", out, re.MULTILINE), out

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_gpu_check_runs_its_parts_and_prints_one_json(tmp_path: Path) -> None:
     out = tmp_path / "check.json"
     command = [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--layers", "2"]
-    command += ["--width", "256", "--batch", "32", "--steps", "24", "--out", str(out)]
+    command += ["--width", "256", "--batch", "32", "--steps", "24", "--anchors", "device", "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -28,9 +28,9 @@ def test_the_gpu_check_runs_its_parts_and_prints_one_json(tmp_path: Path) -> Non
     assert report["alone"]["period_ms"]["n"] >= 10
     assert report["copies"]["fragments"] == 24
     assert report["copies"]["snapshot"]["on_training_stream_ms"]["n"] == 24
-    for anchors in ("host", "device"):
-        run = report[f"dilocod_{anchors}"]
-        assert run["exit"] == 0, run
-        assert f"--anchors {anchors}" in run["command"]
-        assert run["rounds_merged"] >= 1 and run["period_ms"]["n"] >= 10, run
-        assert run["peak_rss_kib"]["learner_kib"] > 0 and "overhead" in run
+    # One run with dilocod (on the CPU, device anchors are host memory: both runs would be one).
+    run = report["dilocod_device"]
+    assert run["exit"] == 0, run
+    assert "--anchors device" in run["command"]
+    assert run["rounds_merged"] >= 1 and run["period_ms"]["n"] >= 10, run
+    assert run["peak_rss_kib"]["learner_kib"] > 0 and "overhead" in run

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from dilocod.ops.metrics import CONTENT_TYPE, MetricsServer
 from dilocod.syncer.metrics import render_syncer_metrics
 from dilocod.transport.loop import run
+from tests.unit.test_syncer_metrics import status_of
 
 TEST_DEADLINE_S = 60.0
 CLIENT_TIMEOUT_S = 10.0
@@ -27,11 +28,9 @@ CLIENT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 0.5
 
 #: What the server serves in these tests: the syncer's page for a small status.
-STATUS: dict[str, Any] = {
-    "uptime_s": 12.5,
-    "clock": 40,
-    "fragments": [{"index": 0, "version": 3}, {"index": 1, "version": 2}],
-    "learners": [
+STATUS = status_of(
+    fragments=[{"index": 0, "version": 3}, {"index": 1, "version": 2}],
+    learners=[
         {
             "id": 'odd "name"\nwith\\slash',
             "connected": True,
@@ -41,23 +40,11 @@ STATUS: dict[str, Any] = {
             "goodput": 0.9,
         }
     ],
-    "rounds_merged": 3,
-    "rounds_abandoned": 0,
-    "rounds_skipped": {"merges-behind": 1},
-    "late_pushes_on_disk": 0,
-    "quorum_sizes": {"1": 3},
-    "grace_waited_s": 0.25,
-    "bytes_in": 1 << 20,
-    "bytes_out": 0,
-    "chunks_asked_again": 0,
-    "fragments_held_at_join": 0,
-    "chunks_resumed": 0,
-    "rejected_by_reason": {},
-    "checkpoints_written": 1,
-    "checkpoints_failed": 0,
-    "handler_errors": 0,
-    "loop_lag_ms": {"p50": 0.1, "p99": 0.5, "max": 1.0},
-}
+    rounds_skipped={"merges-behind": 1},
+    quorum_sizes={"1": 3},
+    grace_waited_s=0.25,
+    bytes_in=1 << 20,
+)
 PAGE = render_syncer_metrics(STATUS)
 
 

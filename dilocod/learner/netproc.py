@@ -24,7 +24,8 @@ nothing costs the training thread 10-15 µs at its boundary, and every boundary 
 learn that the queue is empty. The socket itself is read to its end (which also shows a peer that
 has gone) once every EOF_CHECK_S, and whenever the parent was woken by it.
 
-Messages are small msgpack datagrams. Fragment bytes never go through a socket, and are never
+Messages are small msgpack datagrams; the outbox's snapshot notes and step reports are typed, with
+validating decoders (dilocod.learner.ipc). Fragment bytes never go through a socket, and are never
 copied between the processes: they sit in memory both map (memfd buffers, lent by the side that
 writes them, their descriptors passed once with SCM_RIGHTS, reused once nobody holds them; see
 dilocod.learner.buffers). Each fragment's anchor exists once, in the child's memory:
@@ -91,6 +92,15 @@ from dilocod.learner.bridge import (
 from dilocod.learner.buffers import BufferOwnershipError, BufferPool
 from dilocod.learner.control import control_from_raw, control_to_raw
 from dilocod.learner.delta import import_encoder
+from dilocod.learner.ipc import (
+    DELTA_IN_THETA,
+    NO_ANCHOR,
+    NO_BUFFER,
+    IpcError,
+    SnapshotNote,
+    step_from_wire,
+    step_to_wire,
+)
 
 log = structlog.get_logger("dilocod.learner")
 
@@ -133,11 +143,6 @@ CONFIG_TIMEOUT_S = 30.0
 #: code on every message at the training thread's boundary.
 _CUT_SHORT = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)
 _ANCILLARY_BYTES = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
-
-
-#: A snapshot note's anchor id when the training side computed δ itself (Snapshot.delta): the
-#: snapshot's buffer holds the outer gradient, and no anchor of the child's is named.
-DELTA_IN_THETA = -2
 
 
 class NetworkProcessError(RuntimeError):
@@ -488,21 +493,8 @@ class ProcessBridge:
         noted: list[int] = []  # anchors named by the notes: let go of once the notes are queued
         for snapshot in snapshots:
             if snapshot.empty:
-                # NOTHING_TO_PUSH: no bytes travel, no buffer is lent (buffer id -1).
-                notes.append(
-                    [
-                        snapshot.fragment,
-                        snapshot.round,
-                        snapshot.base_version,
-                        0,
-                        0,
-                        -1,
-                        0,
-                        snapshot.step,
-                        None,
-                        -1,
-                    ]
-                )
+                # NOTHING_TO_PUSH: no bytes travel, no buffer is lent.
+                notes.append(SnapshotNote.of(snapshot, NO_BUFFER, NO_ANCHOR).to_wire())
                 continue
             if snapshot.ready is not None and not snapshot.ready.done():
                 if not wait:
@@ -518,26 +510,13 @@ class ProcessBridge:
             anchor = DELTA_IN_THETA if snapshot.delta else self._anchor_id(snapshot.anchor)
             if anchor >= 0:
                 noted.append(anchor)
-            notes.append(
-                [
-                    snapshot.fragment,
-                    snapshot.round,
-                    snapshot.base_version,
-                    snapshot.c_steps,
-                    snapshot.c_tokens,
-                    bid,
-                    len(snapshot.theta),
-                    snapshot.step,
-                    snapshot.apply_late,
-                    anchor,
-                ]
-            )
+            notes.append(SnapshotNote.of(snapshot, bid, anchor).to_wire())
         for anchor in noted:
             # The child reads the notes before the releases of the same message: it holds the
             # anchor from its note on, whatever this side gives back now.
             self._let_go(anchor)
         if notes or self._steps or self._releases:
-            steps = [[s.step, s.tokens, s.step_time_s] for s in self._steps]
+            steps = [step_to_wire(s) for s in self._steps]
             self._steps = []
             releases, self._releases = self._releases, []
             self.channel.queue({"k": "outbox", "steps": steps, "snapshots": notes, "release": releases})
@@ -942,48 +921,50 @@ class ChildBridge(Bridge):
             if kind == "outbox":
                 if self._loop is not None:
                     self._boundary_at = self._loop.time()
-                for step, tokens, step_time_s in message["steps"]:
-                    self.report_step(StepReportItem(int(step), int(tokens), float(step_time_s)), wake=False)
-                    self._step_times.append(float(step_time_s))
-                for (
-                    fragment,
-                    round_,
-                    base,
-                    c_steps,
-                    c_tokens,
-                    bid,
-                    size,
-                    raw_step,
-                    raw_late,
-                    anchor_bid,
-                ) in message["snapshots"]:
-                    step = None if raw_step is None else int(raw_step)
-                    late = None if raw_late is None else int(raw_late)
-                    if int(bid) < 0:  # NOTHING_TO_PUSH: no buffer
-                        empty = bytearray()
+                try:
+                    steps = [step_from_wire(raw) for raw in message["steps"]]
+                    notes = [SnapshotNote.from_wire(raw) for raw in message["snapshots"]]
+                except IpcError as exc:
+                    raise NetworkProcessError(f"the training process's outbox: {exc}") from None
+                for item in steps:
+                    self.report_step(item, wake=False)
+                    self._step_times.append(item.step_time_s)
+                for note in notes:
+                    empty = bytearray()
+                    if note.empty:  # NOTHING_TO_PUSH: no buffer
                         self.send_snapshot(
-                            Snapshot(int(fragment), int(round_), int(base), 0, 0, empty, empty, step=step),
+                            Snapshot(
+                                note.fragment,
+                                note.round,
+                                note.base_version,
+                                0,
+                                0,
+                                empty,
+                                empty,
+                                step=note.step,
+                            ),
                             wake=False,
                         )
                         continue
-                    theta = self._mapper.view(int(bid), int(size))
-                    self._thetas[id(theta)] = (int(bid), theta)
+                    theta = self._mapper.view(note.buffer, note.size)
+                    self._thetas[id(theta)] = (note.buffer, theta)
                     snapshot = Snapshot(
-                        int(fragment),
-                        int(round_),
-                        int(base),
-                        int(c_steps),
-                        int(c_tokens),
+                        note.fragment,
+                        note.round,
+                        note.base_version,
+                        note.c_steps,
+                        note.c_tokens,
                         theta,
-                        bytearray(),
-                        step=step,
-                        apply_late=late,
-                    )
-                    if int(anchor_bid) == DELTA_IN_THETA:
+                        empty,
+                        step=note.step,
+                        apply_late=note.apply_late,
                         # δ computed where the anchor lives (--anchors device): no anchor here.
-                        self.send_snapshot(dataclasses.replace(snapshot, delta=True), wake=False)
+                        delta=note.anchor == DELTA_IN_THETA,
+                    )
+                    if snapshot.delta:
+                        self.send_snapshot(snapshot, wake=False)
                         continue
-                    self._snapshot(snapshot, int(anchor_bid))
+                    self._snapshot(snapshot, note.anchor)
                 # After the snapshots, which hold the anchors they name: what the parent gives
                 # back here may be one of them, and must not be reused while a push reads it.
                 for bid in message["release"]:

@@ -1001,25 +1001,16 @@ class ChildConfig:
 
 
 def encode_config(link: Any, model: Sequence[Any], incarnation: str, use_uvloop: bool) -> dict[str, Any]:
-    """The child's configuration as plain values (the TLS context is rebuilt from its files)."""
+    """The child's configuration as plain values, generated from the LinkConfig dataclass (a new
+    field travels without a word here; the TLS context is rebuilt from its files)."""
     from dilocod.tuning.advice import advice_to_json  # noqa: PLC0415
 
+    # Every field of the LinkConfig as it is, but the three that are not plain values: the TLS
+    # context (the child makes its own from the files), the files (as strings) and the advice.
     values = {
-        name: getattr(link, name)
-        for name in (
-            "host",
-            "port",
-            "learner_id",
-            "secret",
-            "streams",
-            "codec",
-            "precision",
-            "chunk_bytes",
-            "join_timeout_s",
-            "backoff_min_s",
-            "backoff_max_s",
-            "instance",
-        )
+        field.name: getattr(link, field.name)
+        for field in dataclasses.fields(link)
+        if field.name not in ("tls", "tls_files", "advice")
     }
     values["tls_files"] = None if link.tls_files is None else [str(p) for p in link.tls_files]
     values["advice"] = None if link.advice is None else advice_to_json(link.advice)

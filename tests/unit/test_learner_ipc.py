@@ -3,6 +3,7 @@ msgpack as itself, and a note that is not what it says is refused naming the fie
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgpack
@@ -20,6 +21,11 @@ from dilocod.learner.ipc import (
     step_from_wire,
     step_to_wire,
 )
+from dilocod.learner.link import LinkConfig
+from dilocod.learner.netproc import decode_config, encode_config
+from dilocod.tuning.advice import Advice
+from dilocod.tuning.codecs import CodecFigure
+from dilocod.wire.manifest import ModelEntry
 
 counts = st.integers(0, 2**62)
 optional = st.none() | counts
@@ -81,3 +87,21 @@ def test_a_note_that_is_not_what_it_says_is_refused_naming_the_field(raw: Any, n
 def test_a_step_report_that_is_not_one_is_refused(raw: Any) -> None:
     with pytest.raises(IpcError):
         step_from_wire(raw)
+
+
+def test_the_network_processs_config_carries_every_field_of_the_link() -> None:
+    """Generated from the LinkConfig dataclass: every field set off its default comes back."""
+    advice = Advice("syncer:7070", 4.5, 30.0, 7, "zstd", 1 << 20, "2026-12-01T00:00:00Z",
+                    (CodecFigure("zstd", 1.4, 0.9, 2.0),))  # fmt: skip
+    link = LinkConfig(
+        "syncer.example", 7070, "site-a", b"s" * 16, streams=7, codec="zstd", advice=advice,
+        precision="bf16", chunk_bytes=1 << 18, join_timeout_s=5.0, backoff_min_s=0.25,
+        backoff_max_s=9.0, instance="i-1",
+    )  # fmt: skip
+    defaults = LinkConfig("h", 1, "l", None)
+    changed = {f.name for f in dataclasses.fields(link) if getattr(link, f.name) != getattr(defaults, f.name)}
+    assert changed == {f.name for f in dataclasses.fields(link)} - {"tls", "tls_files"}
+    model = (ModelEntry("w", "float32", (4, 3)),)
+    raw = through_msgpack(encode_config(link, model, "inc-7", True))
+    child = decode_config(raw)
+    assert child.link == link and child.model == model and child.incarnation == "inc-7" and child.use_uvloop

@@ -4,9 +4,9 @@ float32 exactly as the syncer packs them (wire.manifest.fragment_manifest), so a
 read in place and a push's bytes are written in place. A layout's params are views of the live
 parameters' rows: an in-place write to one writes the parameter.
 
-Updates travel at fp32 (read in place) or bf16 (decoded into an fp32 buffer of this layout first):
-plancheck.update_precision says which of the two layouts an update's manifest is, and refuses
-anything else.
+Updates travel at fp32 (read in place) or bf16 (decoded into an fp32 buffer of this layout first),
+as their header states: plancheck.check_update refuses one that is not this layout at that
+precision.
 
 Checks the plan against the model before anything is trained: a learner whose parameter names or
 shapes differ from the syncer's gets a PlanMismatch naming the first difference (the check itself,

@@ -54,7 +54,7 @@ import structlog
 from dilocod.config import Address
 from dilocod.learner.bridge import Adopt, Bridge, Buffer, LostPush, Snapshot
 from dilocod.learner.delta import decode_update, encode_lossy, fragment_delta_, zero_residual
-from dilocod.learner.plancheck import UpdateRefused, check_plan, update_precision
+from dilocod.learner.plancheck import UPDATE_PRECISIONS, UpdateRefused, check_plan, check_update
 from dilocod.model.compare import PlanMismatch
 from dilocod.ops.looplag import LoopLag
 from dilocod.transport.endpoints import connect
@@ -482,12 +482,12 @@ class Link:
         if kept is not None:
             self.bridge.update_failed(kept.buffer)
         # The plan may not be read yet (it is queued ahead of this update): its layout is checked
-        # when the update is read (_on_item); here only that it is one precision we decode.
-        dtypes = {entry.dtype for entry in header.manifest}
-        if not (dtypes <= {"float32"} or dtypes <= {"bfloat16"}):
+        # when the update is read (_on_item); here only that it is at a precision we decode (the
+        # wire checked that its dtypes are that precision's).
+        if header.precision not in UPDATE_PRECISIONS:
             message = (
-                f"an update of fragment {header.fragment} in {sorted(dtypes)}: updates travel as "
-                "float32 or bfloat16"
+                f"an update of fragment {header.fragment} at {header.precision}: updates travel at "
+                f"{' or '.join(UPDATE_PRECISIONS)}"
             )
             log.error("update refused", syncer=self._syncer, fragment=header.fragment, reason=message)
             raise RemoteProtocolError(ErrorCode.BAD_MANIFEST, message)
@@ -605,7 +605,8 @@ class Link:
                         f"an update of fragment {header.fragment}: the plan has {len(self._manifests)}"
                     )
                 layout = self._manifests[header.fragment]
-                precision = update_precision(header.fragment, layout, header.manifest, header.raw_bytes)
+                precision = header.precision
+                check_update(header.fragment, layout, precision, header.manifest, header.raw_bytes)
             except UpdateRefused as exc:
                 log.error("update refused", syncer=self._syncer, fragment=header.fragment, reason=str(exc))
                 self.bridge.release(buffer)
@@ -777,6 +778,7 @@ class Link:
             # Within the ranges the syncer accepts (wire/limits.py), far above any real count.
             c_steps=min(snapshot.c_steps, DEFAULT_LIMITS.max_reported_steps),
             c_tokens=min(snapshot.c_tokens, DEFAULT_LIMITS.max_push_tokens),
+            precision=self.config.precision,
             step=None if snapshot.step is None else min(snapshot.step, DEFAULT_LIMITS.max_reported_steps),
             apply_late=(
                 None

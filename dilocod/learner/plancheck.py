@@ -1,7 +1,7 @@
 """Whether the syncer's plan is about this learner's model: the same parameter names with the same
 shapes, or a PlanMismatch naming the first difference, before anything is trained or pushed; and
-whether an update is the plan's layout of its fragment at a precision updates travel at
-(UpdateRefused otherwise).
+whether an update is the plan's layout of its fragment at the precision its header states, one
+updates travel at (UpdateRefused otherwise).
 
 Checked by the learner's network side at every JOIN and by the training side when it lays the plan
 out (dilocod.learner.layout). Works on the wire's model entries only: must not import torch (the
@@ -26,29 +26,35 @@ def check_plan(plan: Plan, ours: Sequence[ModelEntry]) -> None:
 
 
 class UpdateRefused(ValueError):
-    """An update whose manifest is not its fragment's layout at fp32 or bf16: the syncer's bug."""
+    """An update at a precision updates do not travel at, or whose manifest is not its fragment's
+    layout at the precision it states: the syncer's bug."""
 
 
 #: The precisions a learner accepts updates at (a syncer's --update-precision).
 UPDATE_PRECISIONS = ("fp32", "bf16")
 
 
-def update_precision(
-    fragment: int, layout: Sequence[TensorEntry], manifest: Sequence[TensorEntry], raw_bytes: int
-) -> str:
-    """Which precision an update of a fragment travels at: its manifest and size must be the
-    plan's layout of that fragment (`layout`, fp32: same names and shapes, in order) at fp32 or
-    bf16; else UpdateRefused says how it differs."""
+def check_update(
+    fragment: int,
+    layout: Sequence[TensorEntry],
+    precision: str,
+    manifest: Sequence[TensorEntry],
+    raw_bytes: int,
+) -> None:
+    """An update of a fragment at the precision its header states: its manifest and size must be
+    the plan's layout of that fragment (`layout`, fp32: same names and shapes, in order) at that
+    precision, one of UPDATE_PRECISIONS; else UpdateRefused says how it differs."""
+    if precision not in UPDATE_PRECISIONS:
+        accepted = " or ".join(UPDATE_PRECISIONS)
+        raise UpdateRefused(f"an update of fragment {fragment} at {precision}: updates travel at {accepted}")
     shapes = [(entry.name, entry.shape) for entry in layout]
-    for precision in UPDATE_PRECISIONS:
-        expected, size = push_layout(shapes, precision)
-        if tuple(manifest) == expected and raw_bytes == size:
-            return precision
-    dtypes = sorted({entry.dtype for entry in manifest})
+    expected, size = push_layout(shapes, precision)
+    if tuple(manifest) == expected and raw_bytes == size:
+        return
     theirs = [(entry.name, entry.shape) for entry in manifest]
     why = (
         f"its tensors differ from the plan's ({len(theirs)} listed, the plan has {len(shapes)})"
         if theirs != shapes
-        else f"its dtypes are {dtypes} and its {raw_bytes} bytes are laid out otherwise"
+        else f"its {raw_bytes} bytes are laid out otherwise (the plan's layout has {size})"
     )
-    raise UpdateRefused(f"an update of fragment {fragment} is not the plan's layout at fp32 or bf16: {why}")
+    raise UpdateRefused(f"an update of fragment {fragment} is not the plan's layout at {precision}: {why}")

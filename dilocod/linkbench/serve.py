@@ -108,6 +108,7 @@ async def serve(
                         header.chunk_bytes,
                         fragment=header.fragment,
                         version=1,
+                        precision=header.precision,
                     )
                     # A client that resets the echo (or asks for it past the allowance) fails that
                     # transfer only: its session goes on.

@@ -47,7 +47,7 @@ from dilocod.transport.options import TransportOptions
 from dilocod.transport.session import FragmentReceived, Session
 from dilocod.tuning.streams import AUTO_RATE_GBPS
 from dilocod.wire.errors import ErrorCode, RemoteProtocolError
-from dilocod.wire.layouts import PRECISIONS, precision_of, push_layout
+from dilocod.wire.layouts import push_layout
 from dilocod.wire.messages import (
     MAX_HAVE_BYTES,
     Error,
@@ -562,28 +562,26 @@ class SyncerService:
         resumed = self._resumed_push(peer, header)
         if not 0 <= header.fragment < len(self.model.fragments):
             raise RemoteProtocolError(ErrorCode.NOT_REQUESTED, f"there is no fragment {header.fragment}")
+        precision = header.precision
         store = self.model.fragments[header.fragment]
-        if header.manifest == store.manifest and header.raw_bytes == store.raw_bytes:
-            precision = "fp32"
+        if precision == "fp32":
+            manifest, size = store.manifest, store.raw_bytes
         else:
-            shapes = self._shapes(header.fragment)
-            found = precision_of(header.manifest, shapes)
-            if found is None:
-                raise RemoteProtocolError(
-                    ErrorCode.BAD_MANIFEST,
-                    f"push of fragment {header.fragment} matches the plan's layout at no precision "
-                    f"({', '.join(PRECISIONS)})",
-                )
-            precision = found
-            # A manifest only has to fit inside raw_bytes: the size is checked on its own, before
-            # anything is allocated, against what the plan says this fragment has at this precision.
-            expected = push_layout(shapes, precision)[1]
-            if header.raw_bytes != expected:
-                raise RemoteProtocolError(
-                    ErrorCode.LIMIT_EXCEEDED if header.raw_bytes > expected else ErrorCode.LENGTH_MISMATCH,
-                    f"push of fragment {header.fragment} declares {header.raw_bytes} raw bytes; the "
-                    f"plan's layout at {precision} has {expected}",
-                )
+            manifest, size = push_layout(self._shapes(header.fragment), precision)
+        if header.manifest != manifest:
+            raise RemoteProtocolError(
+                ErrorCode.BAD_MANIFEST,
+                f"push of fragment {header.fragment} at {precision}: its manifest is not the plan's "
+                f"layout of the fragment at {precision}",
+            )
+        # A manifest only has to fit inside raw_bytes: the size is checked on its own, before
+        # anything is allocated, against what the plan says this fragment has at this precision.
+        if header.raw_bytes != size:
+            raise RemoteProtocolError(
+                ErrorCode.LIMIT_EXCEEDED if header.raw_bytes > size else ErrorCode.LENGTH_MISMATCH,
+                f"push of fragment {header.fragment} declares {header.raw_bytes} raw bytes; the "
+                f"plan's layout at {precision} has {size}",
+            )
         push = Push(
             peer.learner,
             header.round,
@@ -993,6 +991,7 @@ class SyncerService:
                 self.config.chunk,
                 fragment=index,
                 version=snapshot.version,
+                precision=self.model.update_precision,
                 skip=self._resumable(peer, index, snapshot.version),
             )
             data, checksums = snapshot.buffer, snapshot.checksums

@@ -60,10 +60,11 @@ from dilocod.wire.states import (
     peer_of,
 )
 
-#: Protocol version 2 (protocol/SPEC.md §7.2): PLAN.fragments lists row pieces, not whole
-#: parameters. Version 1 peers are refused in the handshake (UNSUPPORTED_VERSION).
-PROTOCOL_MIN_VERSION = 2
-PROTOCOL_MAX_VERSION = 2
+#: Protocol version 3 (protocol/SPEC.md §7.2): PUSH_HEADER and UPDATE_HEADER state their wire
+#: precision (version 2 left the receiver to infer it from the manifest). Peers of versions 1 and 2
+#: are refused in the handshake (UNSUPPORTED_VERSION).
+PROTOCOL_MIN_VERSION = 3
+PROTOCOL_MAX_VERSION = 3
 
 Buffer = bytes | bytearray | memoryview
 #: ERROR messages and GOODBYE reasons are capped at this many UTF-8 bytes (messages.py checks it).

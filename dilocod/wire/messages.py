@@ -16,6 +16,7 @@ import msgpack
 
 from dilocod.wire.errors import ErrorCode, RemoteProtocolError
 from dilocod.wire.frames import CODECS_BY_NAME, FrameType
+from dilocod.wire.layouts import PRECISIONS, layout_fault
 from dilocod.wire.limits import DEFAULT_LIMITS, Limits
 from dilocod.wire.manifest import (
     ModelEntry,
@@ -557,7 +558,10 @@ class StreamHeader:
     codec: str
     chunk_bytes: int
 
-    if TYPE_CHECKING:  # not a field here: each header type declares it as its last field
+    if TYPE_CHECKING:  # not fields here: each header type declares them as its last two fields
+        #: The wire precision the manifest lays the values out at (wire.layouts.PRECISIONS): the
+        #: receiver reads it, never infers it from the manifest.
+        precision: str
         #: Chunks not sent (a chunk_bitmap; optional on the wire, b"" for none): the receiver holds
         #: them from a transfer of the same bytes that a lost session cut short (SPEC §4.4).
         skip: bytes
@@ -580,9 +584,20 @@ class StreamHeader:
         return total
 
     def skip_body(self, body: dict[str, Any]) -> dict[str, Any]:
+        body["precision"] = self.precision
         if self.skip:
             body["skip"] = self.skip
         return body
+
+    @staticmethod
+    def parse_precision(b: _Body, manifest: tuple[TensorEntry, ...]) -> str:
+        """`precision`: one of wire.layouts.PRECISIONS (MALFORMED_BODY), whose layout the
+        manifest's dtypes must be (BAD_MANIFEST)."""
+        precision = b.text("precision", 8, PRECISIONS)
+        fault = layout_fault(manifest, precision)
+        if fault is not None:
+            raise RemoteProtocolError(ErrorCode.BAD_MANIFEST, f"{b.name}.manifest: {fault}")
+        return precision
 
     @staticmethod
     def parse_skip(b: _Body, raw_bytes: int, chunk_bytes: int) -> bytes:
@@ -628,6 +643,7 @@ class PushHeader(StreamHeader):
     #: applied the fragment's previous merge; the syncer's status reports both as lateness.
     step: int | None = None
     apply_late: int | None = None
+    precision: str = "fp32"  # StreamHeader.precision: the learner's --precision
     skip: bytes = b""  # StreamHeader.skip: the chunks of that round's push FRAGMENT_REQUEST.have named
 
     def to_body(self) -> dict[str, Any]:
@@ -657,6 +673,7 @@ class PushHeader(StreamHeader):
             c_tokens=b.uint("c_tokens", limits.max_push_tokens),
             step=b.optional_uint("step", limits.max_reported_steps),
             apply_late=b.optional_uint("apply_late", limits.max_reported_steps),
+            precision=cls.parse_precision(b, stream[0]),
             skip=cls.parse_skip(b, stream[1], stream[3]),
         )
 
@@ -698,6 +715,7 @@ class UpdateHeader(StreamHeader):
     TYPE: ClassVar[FrameType] = FrameType.UPDATE_HEADER
     fragment: int = 0
     version: int = 0
+    precision: str = "fp32"  # StreamHeader.precision: the syncer's --update-precision
     skip: bytes = b""  # StreamHeader.skip: the chunks of that version JOIN.partial named
 
     def to_body(self) -> dict[str, Any]:
@@ -707,7 +725,13 @@ class UpdateHeader(StreamHeader):
     def from_body(cls, b: _Body, limits: Limits) -> UpdateHeader:
         stream = cls.parse_stream(b, limits)
         fragment, version = b.uint("fragment", 2**32 - 1), b.uint("version")
-        return cls(*stream, fragment=fragment, version=version, skip=cls.parse_skip(b, stream[1], stream[3]))
+        return cls(
+            *stream,
+            fragment=fragment,
+            version=version,
+            precision=cls.parse_precision(b, stream[0]),
+            skip=cls.parse_skip(b, stream[1], stream[3]),
+        )
 
 
 @dataclass(frozen=True, slots=True)

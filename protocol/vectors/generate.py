@@ -517,6 +517,7 @@ def _transfers() -> tuple[_Transfer, _Transfer]:
             c_tokens=98304,
             step=3144,
             apply_late=0,
+            precision="fp32",
         ),
     )
     mlp = float32_le([((i % 16) - 8) / 256 for i in range(8 * 16)])
@@ -527,7 +528,7 @@ def _transfers() -> tuple[_Transfer, _Transfer]:
         Codec.ZSTD,
         4,
         lambda m, raw_bytes, codec, chunk_bytes: UpdateHeader(
-            m, raw_bytes, codec, chunk_bytes, fragment=5, version=7
+            m, raw_bytes, codec, chunk_bytes, fragment=5, version=7, precision="fp32"
         ),
     )
     expected = [(Codec.LZ4, 4), (Codec.NONE, 0)], [(Codec.ZSTD, 4)]
@@ -773,7 +774,7 @@ def _connection_vectors() -> list[dict[str, Any]]:
         SECRET, data_hello, PROTOCOL_MAX_VERSION, HANDSHAKES["data_hmac"].server_nonce, OTHER_SESSION
     )
     other_session = {**msgpack.unpackb(data[3][16:], raw=False), "session": OTHER_SESSION, "mac": other_mac}
-    bad_version = {"version": 3, "method": "hmac-sha256", "nonce": HANDSHAKES["control_hmac"].server_nonce}
+    bad_version = {"version": 4, "method": "hmac-sha256", "nonce": HANDSHAKES["control_hmac"].server_nonce}
     report = {"step": 1, "tokens": 4096}
     w, b = "blocks.0.attn.weight", "blocks.0.attn.bias"
 
@@ -868,10 +869,13 @@ def _connection_vectors() -> list[dict[str, Any]]:
          hello_with(min_version=2, max_version=1)),
         ("hello_extension_type", await_hello, E.MALFORMED_BODY, "msgpack extension types are never valid",
          hello_with(peer_id=msgpack.Timestamp(0))),
-        ("hello_unsupported_version_range", await_hello, E.UNSUPPORTED_VERSION, "client 3..4, server 2..2",
-         hello_with(min_version=3, max_version=4)),
+        ("hello_unsupported_version_range", await_hello, E.UNSUPPORTED_VERSION, "client 4..5, server 3..3",
+         hello_with(min_version=4, max_version=5)),
         ("hello_version_1_only", await_hello, E.UNSUPPORTED_VERSION,
-         "client 1..1 (PLAN of whole parameters), server 2..2", hello_with(min_version=1, max_version=1)),
+         "client 1..1 (PLAN of whole parameters), server 3..3", hello_with(min_version=1, max_version=1)),
+        ("hello_version_2_only", await_hello, E.UNSUPPORTED_VERSION,
+         "client 1..2 (stream headers without their precision), server 3..3",
+         hello_with(min_version=1, max_version=2)),
         ("step_report_negative_time", server_open, E.MALFORMED_BODY, "step_time_s -0.5",
          raw_frame(F.STEP_REPORT, packb({**report, "step_time_s": -0.5}))),
         ("step_report_nan_time", server_open, E.MALFORMED_BODY, "step_time_s NaN",
@@ -959,6 +963,15 @@ def _connection_vectors() -> list[dict[str, Any]]:
          raw_frame(F.NOTHING_TO_PUSH, packb({"fragment": 5, "base_version": 6, "step": 3144}))),
         ("push_header_negative_step", server_open, E.MALFORMED_BODY, "step -1",
          raw_frame(F.PUSH_HEADER, packb({**push_body, "step": -1}), 1)),
+        ("push_header_without_precision", server_open, E.MALFORMED_BODY,
+         "no precision (protocol version 2's header)",
+         raw_frame(F.PUSH_HEADER, packb({k: v for k, v in push_body.items() if k != "precision"}), 1)),
+        ("push_header_unknown_precision", server_open, E.MALFORMED_BODY, "precision fp16",
+         push_with(precision="fp16")),
+        ("push_header_precision_not_the_manifest", server_open, E.BAD_MANIFEST,
+         "precision bf16 over a manifest of float32 tensors", push_with(precision="bf16")),
+        ("update_header_int8_without_scales", client_open, E.BAD_MANIFEST,
+         "precision int8 over a manifest of float32 tensors", update_with(precision="int8")),
         # --- handshake and authentication (SPEC §7)
         ("auth_response_wrong_mac", await_response, E.AUTH_FAILED, "32 zero bytes instead of the proof",
          raw_frame(F.AUTH_RESPONSE, packb({"mac": bytes(32)}))),
@@ -971,7 +984,7 @@ def _connection_vectors() -> list[dict[str, Any]]:
         ("challenge_hmac_to_client_without_secret", "control_none:client:await_challenge", E.AUTH_REQUIRED,
          "the control_hmac AUTH_CHALLENGE to a client with no secret", control[1]),
         ("challenge_unsupported_version", await_challenge, E.UNSUPPORTED_VERSION,
-         "the server picks version 3, which the client never offered",
+         "the server picks version 4, which the client never offered",
          raw_frame(F.AUTH_CHALLENGE, packb(bad_version))),
         ("welcome_for_another_session", "data_hmac:client:await_welcome", E.UNKNOWN_SESSION,
          "data connection WELCOME naming another session, with a MAC valid for that session",

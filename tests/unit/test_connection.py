@@ -73,7 +73,7 @@ OTHER_SECRET = b"incorrect horse battery staple!!"
 TID = 7  # a transfer id
 CLOSING = frozenset({FrameType.ERROR, FrameType.GOODBYE})
 
-_ENTRIES, _RAW = pack_manifest([("w", "float32", [4, 4]), ("b", "bfloat16", [3])])
+_ENTRIES, _RAW = pack_manifest([("w", "float32", [4, 4]), ("b", "float32", [3])])
 _MODEL = (ModelEntry("w", "float32", (4, 4)), ModelEntry("b", "bfloat16", (3,)))
 #: The protocol version this reference speaks (protocol/SPEC.md §7.2).
 V = PROTOCOL_MAX_VERSION
@@ -391,7 +391,7 @@ def test_data_connection_answered_for_another_session(shuttle: Shuttle) -> None:
     assert info.value.code is ErrorCode.UNKNOWN_SESSION
 
 
-@pytest.mark.parametrize("versions", [(1, 1), (3, 9), (0, 0)])
+@pytest.mark.parametrize("versions", [(1, 1), (1, 2), (4, 9), (0, 0)])
 def test_hello_without_a_common_version(versions: tuple[int, int]) -> None:
     server = new_server(SECRET)
     hello = Hello(versions[0], versions[1], "control", "learner", "future", bytes(32))

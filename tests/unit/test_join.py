@@ -28,8 +28,8 @@ from dilocod.wire.limits import Limits
 from dilocod.wire.manifest import (
     DTYPE_SIZES,
     ModelEntry,
+    fragment_manifest,
     fragment_shapes,
-    pack_manifest,
     parse_model,
     piece_rows,
 )
@@ -362,17 +362,10 @@ def test_join_instance_is_optional_and_bounded() -> None:
 
 
 def fragment_bytes(plan: Plan, index: int) -> tuple[UpdateHeader, bytes]:
-    """What a syncer sends to heal one fragment: its tensors in fragment order, packed."""
-    by_name = {e.name: e for e in plan.model}
+    """What a syncer sends to heal one fragment: its pieces in fragment order, packed as float32
+    (whatever the parameters' own dtypes: protocol/SPEC.md §5.2)."""
     shapes = {e.name: e.shape for e in plan.model}
-    pieces = plan.fragments[index]
-    labelled = fragment_shapes(pieces, shapes)
-    entries, raw_bytes = pack_manifest(
-        [
-            (label, by_name[name].dtype, shape)
-            for (label, shape), (name, _, _) in zip(labelled, pieces, strict=True)
-        ]
-    )
+    entries, raw_bytes = fragment_manifest(plan.fragments[index], shapes)
     header = UpdateHeader(
         tuple(entries), raw_bytes, "none", LIMITS.min_chunk_bytes, index, plan.versions[index]
     )
@@ -418,7 +411,7 @@ def test_join_plan_heal_then_rounds(connect: Connect, shuttle: Shuttle) -> None:
                 healed[index] = done
                 learner.send(FragmentAck(), done.transfer_id)
         assert bytes(healed[index].buffer) == raw
-        assert header.chunks == (1, 2)[index]  # the embedding's rows 0..100 span two chunks
+        assert header.chunks == (2, 4)[index]  # 4,672 and 12,864 bytes of float32 in 4 KiB chunks
         assert shuttle(learner, syncer) == [MessageReceived(FragmentAck(), transfer_id)]
     for index, done in healed.items():
         assert isinstance(done.header, UpdateHeader)

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from dilocod.wire.errors import ErrorCode, RemoteProtocolError
 from dilocod.wire.frames import CODECS_BY_NAME, FrameType
+from dilocod.wire.layouts import PRECISIONS, push_layout
 from dilocod.wire.limits import Limits
 from dilocod.wire.manifest import (
     DTYPE_SIZES,
@@ -120,20 +121,18 @@ def hellos(draw: st.DrawFn) -> Hello:
 
 
 @st.composite
-def manifests(draw: st.DrawFn) -> tuple[tuple[TensorEntry, ...], int]:
+def manifests(draw: st.DrawFn) -> tuple[tuple[TensorEntry, ...], int, str]:
+    """A stream's manifest at a precision (its dtypes that precision's), the raw bytes it fits in,
+    and the precision."""
+    precision = draw(st.sampled_from(PRECISIONS))
     names = draw(st.lists(text(64, min_size=1), max_size=6, unique=True))
-    tensors = [
-        (
-            name,
-            draw(st.sampled_from(sorted(DTYPE_SIZES))),
-            draw(st.lists(st.integers(0, 12), max_size=LIMITS.max_tensor_rank)),
-        )
-        for name in names
+    shapes = [
+        (name, tuple(draw(st.lists(st.integers(0, 12), max_size=LIMITS.max_tensor_rank)))) for name in names
     ]
-    entries, total = pack_manifest(tensors)
+    entries, total = push_layout(shapes, precision)
     # Every dimension is at most raw_bytes (protocol/SPEC.md), even in an empty tensor.
-    floor = max([total, *(d for _, _, shape in tensors for d in shape)])
-    return tuple(entries), floor + draw(st.integers(0, 10_000))
+    floor = max([total, *(d for _, shape in shapes for d in shape)])
+    return entries, floor + draw(st.integers(0, 10_000)), precision
 
 
 #: Shapes of every rank that fit one fragment whatever the dtype (12^8 x 8 bytes < 16 GiB), and
@@ -181,7 +180,7 @@ def plans(draw: st.DrawFn) -> Plan:
 
 @st.composite
 def push_headers(draw: st.DrawFn) -> PushHeader:
-    manifest, raw_bytes = draw(manifests())
+    manifest, raw_bytes, precision = draw(manifests())
     return PushHeader(
         manifest,
         raw_bytes,
@@ -194,12 +193,13 @@ def push_headers(draw: st.DrawFn) -> PushHeader:
         c_tokens=draw(uint(LIMITS.max_push_tokens)),
         step=draw(st.none() | uint(LIMITS.max_reported_steps)),
         apply_late=draw(st.none() | uint(LIMITS.max_reported_steps)),
+        precision=precision,
     )
 
 
 @st.composite
 def update_headers(draw: st.DrawFn) -> UpdateHeader:
-    manifest, raw_bytes = draw(manifests())
+    manifest, raw_bytes, precision = draw(manifests())
     return UpdateHeader(
         manifest,
         raw_bytes,
@@ -207,6 +207,7 @@ def update_headers(draw: st.DrawFn) -> UpdateHeader:
         draw(st.integers(LIMITS.min_chunk_bytes, LIMITS.max_chunk_bytes)),
         fragment=draw(uint(U32)),
         version=draw(uint(U64)),
+        precision=precision,
     )
 
 

@@ -1,14 +1,17 @@
-"""Wire precisions of outer gradients: layouts a syncer can recognise, exact fp32, bounded lossy
-encodings, and error feedback that keeps the sum of what was sent next to the sum of the truth."""
+"""Wire precisions of outer gradients: layouts whose dtypes fit only the precision they state,
+exact fp32, bounded lossy encodings, and error feedback that keeps the sum of what was sent next
+to the sum of the truth."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from dilocod.outer import nesterov_step_, rda_merge
 from dilocod.precision import decode, encode
-from dilocod.wire.layouts import PRECISIONS, precision_of, push_layout
+from dilocod.wire.layouts import PRECISIONS, layout_fault, push_layout
 
 SHAPES = [("embed.weight", (50, 8)), ("out.bias", (7,)), ("block.w", (3, 5, 9))]
 
@@ -18,11 +21,18 @@ def deltas(seed: int, scale: float = 1e-3) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=generator) * scale for _, shape in SHAPES]
 
 
-def test_every_precision_has_its_own_layout() -> None:
+def test_every_precision_has_its_own_layout_whose_dtypes_fit_only_it() -> None:
     layouts = {p: push_layout(SHAPES, p) for p in PRECISIONS}
     for precision, (manifest, _) in layouts.items():
-        assert precision_of(manifest, SHAPES) == precision
-    assert precision_of(layouts["int8"][0][:1], SHAPES) is None
+        assert layout_fault(manifest, precision) is None
+        for other in set(PRECISIONS) - {precision}:
+            assert layout_fault(manifest, other) is not None, (precision, other)
+    codes, scales = layouts["int8"][0][:2]
+    assert "codes and scales" in str(layout_fault((codes,), "int8"))
+    assert "followed by its float32 #scales" in str(layout_fault((codes, codes), "int8"))
+    short = dataclasses.replace(scales, shape=(scales.shape[0] + 1,))
+    assert "followed by its float32 #scales" in str(layout_fault((codes, short), "int8"))
+    assert "not one of" in str(layout_fault(layouts["fp32"][0], "fp16"))
     sizes = {p: raw for p, (_, raw) in layouts.items()}
     assert sizes["fp32"] > sizes["bf16"] > sizes["int8"] > sizes["int4"]
 

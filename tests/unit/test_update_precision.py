@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 
 from dilocod.learner.bridge import Bridge
 from dilocod.learner.link import Link, LinkConfig
-from dilocod.learner.plancheck import UpdateRefused, update_precision
+from dilocod.learner.plancheck import UpdateRefused, check_update
 from dilocod.model.params import model_entries
 from dilocod.model.plan import plan_fragments
 from dilocod.precision import recast, tensor_views
@@ -139,19 +139,23 @@ def test_fp32_updates_make_no_encoding() -> None:
         GlobalModel(model.plan, specs, chunk_bytes=CHUNK, embedding_pattern="-", update_precision="int8")
 
 
-def test_a_learner_accepts_the_plan_layout_at_fp32_or_bf16_only() -> None:
+def test_a_learner_accepts_the_plan_layout_at_the_stated_precision_fp32_or_bf16_only() -> None:
     layout, raw_bytes = fragment_manifest([(n, 0, s[0]) for n, s in SHAPES], dict(SHAPES))
-    assert update_precision(3, layout, layout, raw_bytes) == "fp32"
+    check_update(3, layout, "fp32", layout, raw_bytes)
     narrow, narrow_bytes = push_layout(SHAPES, "bf16")
-    assert update_precision(3, layout, narrow, narrow_bytes) == "bf16"
-    for manifest, size in (
-        push_layout(SHAPES, "int8"),
-        push_layout(SHAPES[:2], "bf16"),
-        push_layout([(n, (s[0] + 1, *s[1:])) for n, s in SHAPES], "fp32"),
-        (narrow, narrow_bytes + 64),
+    check_update(3, layout, "bf16", narrow, narrow_bytes)
+    with pytest.raises(UpdateRefused, match="fragment 3 at int8: updates travel at fp32 or bf16"):
+        check_update(3, layout, "int8", *push_layout(SHAPES, "int8"))
+    for precision, manifest, size in (
+        ("bf16", *push_layout(SHAPES[:2], "bf16")),
+        ("fp32", *push_layout([(n, (s[0] + 1, *s[1:])) for n, s in SHAPES], "fp32")),
+        ("bf16", narrow, narrow_bytes + 64),
+        # The layout of the other precision: never taken for it, the header's word decides.
+        ("fp32", narrow, narrow_bytes),
+        ("bf16", layout, raw_bytes),
     ):
-        with pytest.raises(UpdateRefused, match="fragment 3 is not the plan's layout at fp32 or bf16"):
-            update_precision(3, layout, manifest, size)
+        with pytest.raises(UpdateRefused, match=f"fragment 3 is not the plan's layout at {precision}"):
+            check_update(3, layout, precision, manifest, size)
 
 
 def new_link(incarnation: str = "inc", versions: tuple[int, int] = (0, 0)) -> tuple[Link, Bridge, Plan]:
@@ -191,7 +195,7 @@ def test_a_bf16_update_becomes_the_upcast_fp32_anchor_and_its_buffer_goes_back()
         shapes = [(e.name, e.shape) for e in layout]
         narrow, narrow_bytes = push_layout(shapes, "bf16")
         values = [torch.randn(shape) for _, shape in shapes]
-        header = UpdateHeader(narrow, narrow_bytes, "none", CHUNK, fragment=1, version=5)
+        header = UpdateHeader(narrow, narrow_bytes, "none", CHUNK, fragment=1, version=5, precision="bf16")
         received = await _received(link, bridge, header, values)
         (adopt,) = bridge.take().updates
         assert (adopt.fragment, adopt.version, adopt.heal) == (1, 5, True)
@@ -211,17 +215,22 @@ def test_an_update_off_the_plan_layout_is_refused_and_its_buffer_goes_back() -> 
         link, bridge, _ = _link()
         shapes = [(e.name, e.shape) for e in link._manifests[0]]
         wrong, wrong_bytes = push_layout(shapes[:1], "bf16")
-        header = UpdateHeader(wrong, wrong_bytes, "none", CHUNK, fragment=0, version=1)
+        header = UpdateHeader(wrong, wrong_bytes, "none", CHUNK, fragment=0, version=1, precision="bf16")
         with capture_logs() as logs:
             received = await _received(link, bridge, header, [])
         assert bridge.take().updates == []
         assert bridge.pool.holders(bridge.pool.id_of(received)) == 0
         (refused,) = [r for r in logs if r["event"] == "update refused"]
-        assert "not the plan's layout at fp32 or bf16" in refused["reason"]
-        # Mixed dtypes are refused from the header, before any buffer is lent.
-        mixed = (wrong[0], *push_layout(shapes, "fp32")[0][1:])
-        with capture_logs() as logs, pytest.raises(Exception, match="float32 or bfloat16"):
-            link._update_buffer(UpdateHeader(mixed, wrong_bytes * 8, "none", CHUNK, fragment=0, version=1))
+        assert "not the plan's layout at bf16" in refused["reason"]
+        # A precision updates do not travel at is refused from the header, before any buffer is lent.
+        coded, coded_bytes = push_layout(shapes, "int8")
+        with (
+            capture_logs() as logs,
+            pytest.raises(Exception, match="at int8: updates travel at fp32 or bf16"),
+        ):
+            link._update_buffer(
+                UpdateHeader(coded, coded_bytes, "none", CHUNK, fragment=0, version=1, precision="int8")
+            )
         assert [r["event"] for r in logs] == ["update refused"]
         link._executor.shutdown()
 

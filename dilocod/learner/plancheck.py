@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from dilocod.model.compare import PlanMismatch, first_difference
+from dilocod.wire.choices import UPDATE_PRECISIONS
 from dilocod.wire.layouts import push_layout
 from dilocod.wire.manifest import ModelEntry, TensorEntry
 from dilocod.wire.messages import Plan
@@ -27,10 +28,6 @@ def check_plan(plan: Plan, ours: Sequence[ModelEntry]) -> None:
 
 class UpdateRefused(ValueError):
     """An update whose manifest is not its fragment's layout at fp32 or bf16: the syncer's bug."""
-
-
-#: The precisions a learner accepts updates at (a syncer's --update-precision).
-UPDATE_PRECISIONS = ("fp32", "bf16")
 
 
 def update_precision(

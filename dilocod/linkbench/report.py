@@ -16,6 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from dilocod.wire.choices import AUTO, CODECS
+
 _NUMBER = (int, float)
 LINK_FIELDS: dict[str, tuple[type, ...]] = {
     "rate": (str,),
@@ -132,7 +134,7 @@ def plot(document: dict[str, Any], path: Path) -> str | None:
     links = document["links"]
     figure, axes = plt.subplots(1, len(links), figsize=(5 * len(links), 4), squeeze=False)
     for ax, link in zip(axes[0], links, strict=True):
-        codecs = sorted({r["codec"] for r in link["runs"]}, key=["none", "lz4", "zstd", "auto"].index)
+        codecs = sorted({r["codec"] for r in link["runs"]}, key=[*CODECS, AUTO].index)
         streams = sorted({r["streams"] for r in link["runs"]})
         width = 0.8 / len(codecs)
         for k, codec in enumerate(codecs):

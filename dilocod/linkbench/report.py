@@ -100,7 +100,7 @@ def format_link(link: dict[str, Any]) -> str:
         f" {'compression':>11}"
     )
     for run in link["runs"]:
-        codec = run["codec"] if run["codec"] != "auto" else f"auto:{run.get('chosen', '?')}"
+        codec = run["codec"] if run["codec"] != AUTO else f"auto:{run.get('chosen', '?')}"
         vs_gloo = f"{run['gbps'] / link['gloo_gbps']:6.2f}" if link["gloo_gbps"] else f"{'-':>6}"
         vs_none = f"{run['ratio_to_none']:6.2f}" if "ratio_to_none" in run else f"{'-':>6}"
         count = f"auto:{run['streams']}" if run.get("streams_auto") else str(run["streams"])

@@ -157,7 +157,9 @@ class GlobalModel:
         update_precision: str = "fp32",
     ) -> None:
         if update_precision not in UPDATE_PRECISIONS:
-            raise ValueError(f"update precision must be one of {UPDATE_PRECISIONS}, not {update_precision!r}")
+            raise ValueError(
+                f"update precision must be {' or '.join(UPDATE_PRECISIONS)}, not {update_precision!r}"
+            )
         self.plan = plan
         self.update_precision = update_precision
         self.specs = {s.name: s for s in specs}

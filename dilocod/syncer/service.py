@@ -46,8 +46,8 @@ from dilocod.transport.errors import SessionClosed, TransferFailed
 from dilocod.transport.options import TransportOptions
 from dilocod.transport.session import FragmentReceived, Session
 from dilocod.tuning.streams import AUTO_RATE_GBPS
-from dilocod.wire.errors import ErrorCode, RemoteProtocolError
 from dilocod.wire.choices import PRECISIONS
+from dilocod.wire.errors import ErrorCode, RemoteProtocolError
 from dilocod.wire.layouts import precision_of, push_layout
 from dilocod.wire.messages import (
     MAX_HAVE_BYTES,

@@ -18,26 +18,34 @@ import click
 from dilocod import __version__
 from dilocod.config import (
     DEFAULT_ENTRY,
+    DEFAULT_PORT,
     EX_CONFIG,
     Address,
     ConfigError,
+    LearnerConfig,
+    SyncerConfig,
+    defaults,
+    flag_of,
+    format_size,
+    help_text,
+    learner_seed,
+    load_config,
+    missing,
     parse_address,
     parse_int_list,
     parse_list,
     parse_size,
     require_authentication,
+    settings,
     tls_paths,
 )
+from dilocod.wire.choices import AUTO, CODECS, DEFAULT_CHUNK_BYTES
 
 if TYPE_CHECKING:
     import ssl
 
     from dilocod.linkbench.client import RunPlan
     from dilocod.syncer.checkpoint import ExportedCheckpoint
-
-CODEC_CHOICES = ("none", "lz4", "zstd")
-
-DEFAULT_PORT = 7070
 
 
 def _config_error(message: str) -> NoReturn:
@@ -104,11 +112,6 @@ secret_option = click.option(
     type=click.Path(path_type=Path, dir_okay=False),
     help="File holding the shared secret (at least 16 bytes) for HMAC authentication.",
 )
-entry_option = click.option(
-    "--entry",
-    help="MODULE:FACTORY (or an installed dilocod.trainers name) of the training.  "
-    f"[default: the embedded byte-level LM, {DEFAULT_ENTRY}]",
-)
 insecure_option = click.option(
     "--insecure", is_flag=True, help="Run without authentication (loopback and trusted networks only)."
 )
@@ -118,6 +121,28 @@ TLS_FLAGS = (
     ("key", "Mutual TLS: the private key of --tls-cert (PEM)."),
     ("ca", "Mutual TLS: the CA (PEM) that signs the peers' certificates."),
 )
+
+
+def config_options(cls: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """One option per setting of a daemon's configuration (dilocod.config.daemons), in the order
+    declared there, with its help and default. Each defaults to None (not given), so that the TOML
+    file's value, else the declared default, shows through."""
+
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        declared = defaults(cls)
+        for name in reversed(list(settings(cls))):
+            boolean = isinstance(declared[name], bool)
+            command = click.option(
+                flag_of(name), name, is_flag=boolean, default=None, help=help_text(cls, name)
+            )(command)
+        return command
+
+    return decorate
+
+
+def _required(config: Any) -> None:
+    for name in missing(config):
+        _config_error(f"{flag_of(name)} is required (or set {name} in the --config file)")
 
 
 def tls_options(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -155,7 +180,7 @@ def bench() -> None:
     type=click.IntRange(1, 20),
     help="Timed transfers per combination (the median is reported).",
 )
-@click.option("--chunk", default="1MiB", show_default=True, help="Chunk size.")
+@click.option("--chunk", default=format_size(DEFAULT_CHUNK_BYTES), show_default=True, help="Chunk size.")
 @click.option(
     "--shuffle/--no-shuffle", default=True, show_default=True, help="Byte-plane shuffle before compressing."
 )
@@ -178,7 +203,7 @@ def bench_loopback(
     plan = LoopbackPlan(
         size_bytes=_parsed(lambda: parse_size(size, key="--size")),
         streams=tuple(_parsed(lambda: parse_int_list(streams, key="--streams", low=1, high=64))),
-        codecs=tuple(_parsed(lambda: parse_list(codec, key="--codec", choices=CODEC_CHOICES))),
+        codecs=tuple(_parsed(lambda: parse_list(codec, key="--codec", choices=CODECS))),
         repeats=repeats,
         chunk_bytes=_parsed(lambda: parse_size(chunk, key="--chunk")),
         shuffle=shuffle,
@@ -264,7 +289,9 @@ def _run_plan_options(command: Callable[..., Any]) -> Callable[..., Any]:
             show_default=True,
             help="Test data: outer-gradient-like bf16 or fp32 values, or incompressible bytes.",
         ),
-        click.option("--chunk", default="1MiB", show_default=True, help="Chunk size."),
+        click.option(
+            "--chunk", default=format_size(DEFAULT_CHUNK_BYTES), show_default=True, help="Chunk size."
+        ),
         click.option(
             "--threads",
             type=click.IntRange(1, 256),
@@ -314,14 +341,14 @@ def _run_plan(
     def stream_counts() -> tuple[int, ...]:
         items = parse_list(streams, key="--streams")
         return tuple(
-            AUTO_STREAMS if item == "auto" else parse_int_list(item, key="--streams", low=1, high=64)[0]
+            AUTO_STREAMS if item == AUTO else parse_int_list(item, key="--streams", low=1, high=64)[0]
             for item in items
         )
 
     return RunPlan(
         size_bytes=_parsed(lambda: parse_size(size, key="--size")),
         streams=_parsed(stream_counts),
-        codecs=tuple(_parsed(lambda: parse_list(codec, key="--codec", choices=(*CODEC_CHOICES, "auto")))),
+        codecs=tuple(_parsed(lambda: parse_list(codec, key="--codec", choices=(*CODECS, AUTO)))),
         duration_s=_parsed(lambda: parse_duration(duration, key="--duration")),
         vs_gloo=vs == "gloo",
         chunk_bytes=_parsed(lambda: parse_size(chunk, key="--chunk")),
@@ -564,56 +591,7 @@ def status(
 @click.option(
     "--config", "config_file", type=click.Path(path_type=Path, dir_okay=False), help="TOML file; flags win."
 )
-@click.option("--listen", help="HOST:PORT learners dial.  [default: 0.0.0.0:7070]")
-@entry_option
-@click.option("--state-dir", help="Directory for checkpoints (and its lock); created if missing.")
-@click.option("--fragments", help="P: fragments the model is cut into.  [default: 24]")
-@click.option("--sync-every", help="H: inner steps between two syncs of one fragment.  [default: 24]")
-@click.option(
-    "--overlap", help="tau: steps a learner keeps training while its fragment travels.  [default: 2]"
-)
-@click.option(
-    "--quorum",
-    help="K: pushes a round needs before it may merge, or all: lock-step, every live learner pushes at "
-    "each round's due step and waits for it (DiLoCo with --overlap 0 and --fragments 1, Streaming DiLoCo "
-    "with more fragments).  [default: 1]",
-)
-@click.option(
-    "--grace-factor", help="gamma: share of the measured slack to wait for stragglers.  [default: 0.5]"
-)
-@click.option("--merge", help="rda or mean: how outer gradients are averaged.  [default: rda]")
-@click.option("--embedding-pattern", help="Parameters merged by plain mean under RDA.  [default: *embed*]")
-@click.option("--outer-lr", help="Outer Nesterov learning rate.  [default: 0.7]")
-@click.option("--outer-momentum", help="Outer Nesterov momentum.  [default: 0.9]")
-@click.option("--secret-file", help="File holding the shared secret (at least 16 bytes).")
-@click.option("--insecure", is_flag=True, default=None, help="Run without authentication.")
-@click.option("--tls-cert", help="Mutual TLS: this syncer's certificate chain (PEM).")
-@click.option("--tls-key", help="Mutual TLS: the private key of --tls-cert (PEM).")
-@click.option("--tls-ca", help="Mutual TLS: the CA (PEM) that signs the learners' certificates.")
-@click.option("--metrics", help="HOST:PORT for Prometheus text metrics (off unless given).")
-@click.option("--checkpoint-every-s", help="Seconds between checkpoints.  [default: 300]")
-@click.option(
-    "--roster-retention-s",
-    help="Seconds a learner that left stays in the status and the checkpoint.  [default: 259200, 3 days]",
-)
-@click.option("--staleness", help="Versions a late push may trail and still be merged.  [default: 1]")
-@click.option(
-    "--max-norm-ratio",
-    help="Reject outer gradients above this x the recent median norm per step x their steps.  [default: 10]",
-)
-@click.option(
-    "--max-fragment-ratio",
-    help="Reject outer gradients above this x their fragment's norm, taken as at least 1 per value (RMS).  "
-    "[default: 10]",
-)
-@click.option("--chunk", help="Chunk size of updates.  [default: 1MiB]")
-@click.option("--codec", help="Codec of updates: none, lz4 or zstd.  [default: none]")
-@click.option(
-    "--update-precision",
-    help="Updates on the wire: fp32, or bf16 (half the bytes, rounded to nearest even; the global model "
-    "stays float32).  [default: fp32]",
-)
-@click.option("--seed", help="Seed handed to the factory.  [default: 0]")
+@config_options(SyncerConfig)
 @click.option("--ready-json", is_flag=True, help="Print one JSON line on stdout once listening.")
 @click.option("--uvloop/--no-uvloop", default=True, show_default=True, help="Use uvloop if installed.")
 def syncer(config_file: Path | None, ready_json: bool, uvloop: bool, **flags: Any) -> None:
@@ -624,10 +602,10 @@ def syncer(config_file: Path | None, ready_json: bool, uvloop: bool, **flags: An
     adaptive grace, token-weighted RDA, outer Nesterov) and streams the result back. Every flag is
     also a key of the --config TOML file (sync-every = 24); flags win. SIGTERM checkpoints and exits.
     """
-    from dilocod.config import SYNCER_FIELDS, SyncerConfig, load_config  # noqa: PLC0415
     from dilocod.ops.logging import configure_logging  # noqa: PLC0415
 
-    config = _parsed(lambda: load_config(SyncerConfig, SYNCER_FIELDS, config_file, flags))
+    config = _parsed(lambda: load_config(SyncerConfig, config_file, flags))
+    _required(config)
     tls = _parsed(lambda: tls_paths(config.tls_cert, config.tls_key, config.tls_ca))
     secret, context = _credentials(
         config.secret_file, config.insecure, config.listen, listening=True, tls=tls
@@ -699,61 +677,9 @@ def _exported_line(exported: ExportedCheckpoint) -> str:
 @click.option(
     "--config", "config_file", type=click.Path(path_type=Path, dir_okay=False), help="TOML file; flags win."
 )
-@click.option("--syncer", help="HOST:PORT of the syncer.")
-@entry_option
-@click.option("--id", "id_", help="This learner's name (unique per learner; a restart reuses it).")
-@click.option("--state-dir", help="Where the local state (model, inner optimizer, data cursor) is kept.")
-@click.option("--device", help="cuda, cuda:N or cpu.  [default: cuda if available, else cpu]")
-@click.option("--steps", help="Stop after this many inner steps (default: run until stopped).")
-@click.option(
-    "--streams",
-    help="Data connections to the syncer (0-64), or auto: the count `dilocod bench run` saved for "
-    "this syncer, else enough to carry 5 Gbit/s at the RTT measured on connecting (2-16).  "
-    "[default: auto]",
-)
-@click.option(
-    "--codec",
-    help="Codec of pushes: none, lz4, zstd, or auto: the one `dilocod bench run` saved for this "
-    "syncer, else chosen from codec speeds measured on the first outer gradient and the push "
-    "throughput, and chosen again when the link rate moves.  [default: auto]",
-)
-@click.option(
-    "--precision",
-    help="Outer gradients on the wire: fp32, bf16, int8 or int4 (error feedback).  [default: fp32]",
-)
-@click.option(
-    "--network",
-    help="Where the link to the syncer runs: process (a child process: its CPU time and the GIL stay "
-    "off the training thread) or thread (an event-loop thread of this process).  [default: process]",
-)
-@click.option(
-    "--apply", help="overwrite, mix or keep-local: how merged fragments are applied.  [default: overwrite]"
-)
-@click.option("--mix-alpha", help="Weight of the local fragment in --apply mix.  [default: 0.5]")
-@click.option(
-    "--anchors",
-    help="On a GPU, where each fragment's anchor (its last merged value) is kept: host (pinned host "
-    "memory) or device (one model of GPU memory in float32; outer gradients are computed there and "
-    "the host keeps none). On the CPU both are host memory.  [default: host]",
-)
-@click.option("--secret-file", help="File holding the shared secret (at least 16 bytes).")
-@click.option("--insecure", is_flag=True, default=None, help="Connect without authentication.")
-@click.option("--tls-cert", help="Mutual TLS: this learner's certificate chain (PEM).")
-@click.option("--tls-key", help="Mutual TLS: the private key of --tls-cert (PEM).")
-@click.option("--tls-ca", help="Mutual TLS: the CA (PEM) that signs the syncer's certificate.")
-@click.option("--chunk", help="Chunk size of pushes.  [default: 1MiB]")
-@click.option("--save-every-s", help="Seconds between saves of the local state.  [default: 300]")
-@click.option(
-    "--join-timeout-s", help="How long to wait for the first heal before training anyway.  [default: 60]"
-)
-@click.option("--progress-every-s", help="Seconds between progress lines.  [default: 5]")
-@click.option(
-    "--seed",
-    help="Seed handed to the factory (ctx.seed).  [default: derived from --id (31 bits of its "
-    "SHA-256): different per learner, the same across restarts of one id and on every rank]",
-)
+@config_options(LearnerConfig)
 @click.option("--uvloop/--no-uvloop", default=True, show_default=True, help="Use uvloop if installed.")
-def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: Any) -> None:
+def learner(config_file: Path | None, uvloop: bool, **flags: Any) -> None:
     """Train with your own step function and sync with the syncer without ever waiting on it.
 
     Loads --entry and checks it before connecting anywhere. The training loop runs on the main
@@ -763,13 +689,10 @@ def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: An
     heals from the syncer after any restart. Every flag is also a key of the --config TOML file;
     flags win. SIGTERM saves the local state and exits.
     """
-    from dilocod.config import LEARNER_FIELDS, LearnerConfig, learner_seed, load_config  # noqa: PLC0415
     from dilocod.ops.logging import configure_logging  # noqa: PLC0415
 
-    config = _parsed(lambda: load_config(LearnerConfig, LEARNER_FIELDS, config_file, {**flags, "id": id_}))
-    for key in ("syncer", "id"):
-        if getattr(config, key) is None:
-            _config_error(f"--{key} is required (or set {key} in the --config file)")
+    config = _parsed(lambda: load_config(LearnerConfig, config_file, flags))
+    _required(config)
     assert config.syncer is not None and config.id is not None
     tls = _parsed(lambda: tls_paths(config.tls_cert, config.tls_key, config.tls_ca))
     secret, context = _credentials(
@@ -777,7 +700,7 @@ def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: An
     )
     configure_logging()
     advice = None
-    if "auto" in (config.streams, config.codec):
+    if AUTO in (config.streams, config.codec):
         from dilocod.tuning.advice import load_advice  # noqa: PLC0415
 
         advice = load_advice(str(config.syncer))  # None (a warning if unusable): the learner measures
@@ -789,38 +712,15 @@ def learner(config_file: Path | None, id_: str | None, uvloop: bool, **flags: An
     from dilocod.learner.runtime import RuntimeConfig  # noqa: PLC0415
     from dilocod.learner.threads import HostCpus  # noqa: PLC0415
 
-    device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = config.device if config.device != AUTO else ("cuda" if torch.cuda.is_available() else "cpu")
     # Under torchrun every rank runs this command; rank 0 alone talks to the syncer.
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     island = None
     if world_size > 1:
         island = IslandConfig(int(os.environ["RANK"]), world_size, int(os.environ.get("LOCAL_RANK", "0")))
     setup = LearnerSetup(
-        runtime=RuntimeConfig(
-            entry=config.entry,
-            apply=config.apply,
-            mix_alpha=config.mix_alpha,
-            anchors=config.anchors,
-            steps=config.steps,
-            state_dir=config.state_dir,
-            save_every_s=config.save_every_s,
-            join_timeout_s=config.join_timeout_s,
-            progress_every_s=config.progress_every_s,
-        ),
-        link=LinkConfig(
-            host=config.syncer.host,
-            port=config.syncer.port,
-            learner_id=config.id,
-            secret=secret,
-            tls=context,
-            tls_files=tls,
-            streams="auto" if config.streams == "auto" else int(config.streams),
-            codec=config.codec,
-            advice=advice,
-            precision=config.precision,
-            chunk_bytes=config.chunk,
-            join_timeout_s=config.join_timeout_s,
-        ),
+        runtime=RuntimeConfig.of(config),
+        link=LinkConfig.of(config, secret=secret, tls=context, tls_files=tls, advice=advice),
         device=device,
         seed=config.seed if config.seed is not None else learner_seed(config.id),
         use_uvloop=uvloop,

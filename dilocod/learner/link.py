@@ -51,10 +51,10 @@ from typing import TYPE_CHECKING, Literal
 
 import structlog
 
-from dilocod.config import Address
+from dilocod.config import Address, LearnerConfig
 from dilocod.learner.bridge import Adopt, Bridge, Buffer, LostPush, Snapshot
 from dilocod.learner.delta import decode_update, encode_lossy, fragment_delta_, zero_residual
-from dilocod.learner.plancheck import UPDATE_PRECISIONS, UpdateRefused, check_plan, check_update
+from dilocod.learner.plancheck import UpdateRefused, check_plan, check_update
 from dilocod.model.compare import PlanMismatch
 from dilocod.ops.looplag import LoopLag
 from dilocod.transport.endpoints import connect
@@ -65,6 +65,7 @@ from dilocod.tuning.advice import Advice
 from dilocod.tuning.codecs import CodecChoice, CodecFigure, measure_codecs, spread_sample
 from dilocod.tuning.streams import AUTO_RATE_GBPS, auto_streams, bdp_warning, read_tcp_settings
 from dilocod.tuning.tuner import CodecTuner, PushMeter
+from dilocod.wire.choices import AUTO, UPDATE_PRECISIONS
 from dilocod.wire.codecs import chunk_checksums
 from dilocod.wire.errors import ErrorCode, RemoteProtocolError
 from dilocod.wire.layouts import push_layout
@@ -90,6 +91,8 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 log = structlog.get_logger("dilocod.learner")
+#: The defaults of the learner's settings, declared once in dilocod.config.daemons.
+_DEFAULTS = LearnerConfig()
 
 #: Codes after which reconnecting cannot help: the configuration must change.
 FATAL_CODES = {
@@ -123,6 +126,9 @@ class FatalLinkError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class LinkConfig:
+    """The syncer link's part of the learner's configuration (LinkConfig.of) and what it
+    authenticates with; the defaults are LearnerConfig's."""
+
     host: str
     port: int
     learner_id: str
@@ -132,20 +138,49 @@ class LinkConfig:
     #: The files tls was made from (certificate, key, CA), for a network process to make its own.
     tls_files: tuple[Path, Path, Path] | None = None
     #: Data connections, or "auto" (the advice's count, else chosen per session from its RTT).
-    streams: int | Literal["auto"] = 4
+    streams: int | Literal["auto"] = _DEFAULTS.streams  # type: ignore[assignment]
     #: Codec of pushes: none, lz4, zstd, or "auto" (the advice's, else tuned while pushing).
-    codec: str = "none"
+    codec: str = _DEFAULTS.codec
     #: What `dilocod bench` saved for this syncer (tuning.load_advice): used by the "auto" values.
     advice: Advice | None = None
     #: Wire precision of outer gradients (dilocod.precision): fp32, bf16, int8 or int4.
-    precision: str = "fp32"
-    chunk_bytes: int = 1 << 20
-    join_timeout_s: float = 60.0
+    precision: str = _DEFAULTS.precision
+    chunk_bytes: int = _DEFAULTS.chunk
+    join_timeout_s: float = _DEFAULTS.join_timeout_s
     backoff_min_s: float = 0.5
     backoff_max_s: float = 30.0
     #: This learner's instance id (JOIN's instance), kept in its state directory across restarts;
     #: "" draws one for this process (a learner without a state directory).
     instance: str = ""
+
+    @classmethod
+    def of(
+        cls,
+        config: LearnerConfig,
+        *,
+        secret: bytes | None,
+        tls: ssl.SSLContext | None = None,
+        tls_files: tuple[Path, Path, Path] | None = None,
+        advice: Advice | None = None,
+    ) -> LinkConfig:
+        """The learner's configuration as its link takes it, with the credentials made from it
+        and the advice saved for its syncer. `syncer` and `id` must be set (the command checks)."""
+        if config.syncer is None or config.id is None:
+            raise ValueError("a learner's link needs its syncer and id")
+        return cls(
+            host=config.syncer.host,
+            port=config.syncer.port,
+            learner_id=config.id,
+            secret=secret,
+            tls=tls,
+            tls_files=tls_files,
+            streams=config.streams,  # type: ignore[arg-type]
+            codec=config.codec,
+            advice=advice,
+            precision=config.precision,
+            chunk_bytes=config.chunk,
+            join_timeout_s=config.join_timeout_s,
+        )
 
 
 @dataclass(slots=True)
@@ -288,7 +323,7 @@ class Link:
             f"dilocod bench against {advice.target or 'any syncer'} at {advice.measured_at}" if advice else ""
         )
         streams: int | None = None
-        if config.streams != "auto":
+        if config.streams != AUTO:
             streams = int(config.streams)
         elif advice is not None:
             streams = advice.streams
@@ -298,7 +333,7 @@ class Link:
                 source="advice",
                 reason=f"{source}: {advice.rate_gbps:.2f} Gbit/s at {advice.rtt_ms:.3g} ms RTT",
             )
-        if config.codec != "auto":
+        if config.codec != AUTO:
             return streams, config.codec, None
         if advice is not None:
             log.info(

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from dilocod.model.compare import PlanMismatch, first_difference
+from dilocod.wire.choices import UPDATE_PRECISIONS
 from dilocod.wire.layouts import push_layout
 from dilocod.wire.manifest import ModelEntry, TensorEntry
 from dilocod.wire.messages import Plan
@@ -28,10 +29,6 @@ def check_plan(plan: Plan, ours: Sequence[ModelEntry]) -> None:
 class UpdateRefused(ValueError):
     """An update at a precision updates do not travel at, or whose manifest is not its fragment's
     layout at the precision it states: the syncer's bug."""
-
-
-#: The precisions a learner accepts updates at (a syncer's --update-precision).
-UPDATE_PRECISIONS = ("fp32", "bf16")
 
 
 def check_update(

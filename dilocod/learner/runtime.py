@@ -29,6 +29,7 @@ from typing import Any
 import structlog
 import torch
 
+from dilocod.config import LearnerConfig
 from dilocod.contract import Trainer
 from dilocod.learner.bridge import (
     Adopt,
@@ -60,6 +61,8 @@ from dilocod.wire.codecs import checksum
 from dilocod.wire.messages import FragmentRequest
 
 log = structlog.get_logger("dilocod.learner")
+#: The defaults of the learner's settings, declared once in dilocod.config.daemons.
+_DEFAULTS = LearnerConfig()
 
 
 class LearnerStopped(Exception):
@@ -68,18 +71,26 @@ class LearnerStopped(Exception):
 
 @dataclass(frozen=True, slots=True)
 class RuntimeConfig:
+    """The training loop's part of the learner's configuration (RuntimeConfig.of); the defaults
+    are LearnerConfig's."""
+
     entry: str
-    apply: str = "overwrite"
-    mix_alpha: float = 0.5
-    steps: int | None = None
-    state_dir: Path | None = None
-    save_every_s: float = 300.0
-    join_timeout_s: float = 60.0
-    progress_every_s: float = 5.0
+    apply: str = _DEFAULTS.apply
+    mix_alpha: float = _DEFAULTS.mix_alpha
+    steps: int | None = _DEFAULTS.steps
+    state_dir: Path | None = _DEFAULTS.state_dir
+    save_every_s: float = _DEFAULTS.save_every_s
+    join_timeout_s: float = _DEFAULTS.join_timeout_s
+    progress_every_s: float = _DEFAULTS.progress_every_s
     #: Where a GPU learner keeps its anchors: "host" (the update's buffer, as received) or
     #: "device" (the update's staging buffer on the GPU, one model of device memory in float32:
     #: outer gradients are computed there and the host keeps no anchor). On the CPU both are host.
-    anchors: str = "host"
+    anchors: str = _DEFAULTS.anchors
+
+    @classmethod
+    def of(cls, config: LearnerConfig) -> RuntimeConfig:
+        """The learner's configuration as the training loop takes it: its fields by name."""
+        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
 
 
 @dataclass(slots=True)

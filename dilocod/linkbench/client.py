@@ -36,11 +36,11 @@ from dilocod.transport.session import FragmentReceived, Session
 from dilocod.tuning.advice import Advice
 from dilocod.tuning.codecs import CodecChoice, CodecFigure, choose_codec, measure_codecs
 from dilocod.tuning.streams import TcpSettings, auto_streams, bdp_warning, choose_streams, read_tcp_settings
+from dilocod.wire.choices import AUTO, CODECS, DEFAULT_CHUNK_BYTES
 from dilocod.wire.codecs import chunk_checksums
 from dilocod.wire.manifest import pack_manifest
 from dilocod.wire.messages import PushHeader, StatusRequest, StatusResponse, UpdateHeader
 
-FIXED_CODECS = ("none", "lz4", "zstd")
 #: Transfers per combination are fitted into --duration, within these bounds.
 MIN_REPEATS, MAX_REPEATS = 1, 9
 RTT_SAMPLES = 9
@@ -67,10 +67,10 @@ class RunPlan:
     #: Data connection counts; AUTO_STREAMS is what `dilocod learner --streams auto` would open
     #: without advice at the RTT measured here (auto_streams).
     streams: tuple[int, ...] = (1, 2, 4, 8)
-    codecs: tuple[str, ...] = ("none", "lz4", "zstd", "auto")
+    codecs: tuple[str, ...] = (*CODECS, AUTO)
     duration_s: float = 20.0
     vs_gloo: bool = False
-    chunk_bytes: int = 1 << 20
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
     data: str = "bf16"
     assumed_rtt_s: float = 0.05
     #: CPU threads each end can spend compressing (the codec model's `threads`); None = all cores.
@@ -95,7 +95,7 @@ AUTO_STREAMS = 0
 
 def streams_text(streams: Sequence[int]) -> str:
     """RunPlan.streams as `--streams` takes it."""
-    return ",".join("auto" if s == AUTO_STREAMS else str(s) for s in streams)
+    return ",".join(AUTO if s == AUTO_STREAMS else str(s) for s in streams)
 
 
 def make_data(kind: str, size_bytes: int, seed: int = 0) -> tuple[bytearray, int]:
@@ -199,7 +199,7 @@ class _Link:
 
     def _codec(self, name: str, ceilings: list[float]) -> str:
         """The codec a row named `name` sends with; auto is chosen once per link."""
-        if name != "auto":
+        if name != AUTO:
             return name
         if self.auto is None:
             # The first ceiling of this link is the rate the model plans for.
@@ -252,7 +252,7 @@ class _Link:
         if uncompressed is not None:
             paired = [mine[0] / theirs[0] for mine, theirs in zip(samples, uncompressed, strict=True)]
             row["ratio_to_none"] = round(statistics.median(paired), 3)
-        if name == "auto" and self.auto is not None:
+        if name == AUTO and self.auto is not None:
             row["chosen"] = self.auto.codec
         self.progress.advance(f"{name} x{streams}: {row['gbps']:.2f} Gbps, {row['ratio_to_raw']:.2f}x raw")
         return row
@@ -421,7 +421,7 @@ def recommend(
     if auto is not None:
         codec, reason = auto.codec, auto.reason
     else:
-        fixed = [r for r in runs if r["codec"] in FIXED_CODECS]
+        fixed = [r for r in runs if r["codec"] in CODECS]
         top = max(fixed, key=lambda r: r["gbps"])
         codec, reason = top["codec"], f"{top['codec']} measured fastest ({top['gbps']:.2f} Gbps)"
     return {

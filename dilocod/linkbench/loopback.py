@@ -29,6 +29,7 @@ from dilocod.transport.endpoints import connect
 from dilocod.transport.loop import loop_factory, run
 from dilocod.transport.options import TransportOptions
 from dilocod.transport.session import Session
+from dilocod.wire.choices import DEFAULT_CHUNK_BYTES
 from dilocod.wire.codecs import chunk_checksums
 from dilocod.wire.manifest import pack_manifest
 from dilocod.wire.messages import PushHeader
@@ -43,7 +44,7 @@ class LoopbackPlan:
     streams: tuple[int, ...]
     codecs: tuple[str, ...]
     repeats: int = 3
-    chunk_bytes: int = 1 << 20
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
     shuffle: bool = True
     use_uvloop: bool = True
 

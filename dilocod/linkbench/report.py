@@ -16,6 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from dilocod.wire.choices import AUTO, CODECS
+
 _NUMBER = (int, float)
 LINK_FIELDS: dict[str, tuple[type, ...]] = {
     "rate": (str,),
@@ -98,7 +100,7 @@ def format_link(link: dict[str, Any]) -> str:
         f" {'compression':>11}"
     )
     for run in link["runs"]:
-        codec = run["codec"] if run["codec"] != "auto" else f"auto:{run.get('chosen', '?')}"
+        codec = run["codec"] if run["codec"] != AUTO else f"auto:{run.get('chosen', '?')}"
         vs_gloo = f"{run['gbps'] / link['gloo_gbps']:6.2f}" if link["gloo_gbps"] else f"{'-':>6}"
         vs_none = f"{run['ratio_to_none']:6.2f}" if "ratio_to_none" in run else f"{'-':>6}"
         count = f"auto:{run['streams']}" if run.get("streams_auto") else str(run["streams"])
@@ -132,7 +134,7 @@ def plot(document: dict[str, Any], path: Path) -> str | None:
     links = document["links"]
     figure, axes = plt.subplots(1, len(links), figsize=(5 * len(links), 4), squeeze=False)
     for ax, link in zip(axes[0], links, strict=True):
-        codecs = sorted({r["codec"] for r in link["runs"]}, key=["none", "lz4", "zstd", "auto"].index)
+        codecs = sorted({r["codec"] for r in link["runs"]}, key=[*CODECS, AUTO].index)
         streams = sorted({r["streams"] for r in link["runs"]})
         width = 0.8 / len(codecs)
         for k, codec in enumerate(codecs):

@@ -112,14 +112,7 @@ def prepare(config: SyncerConfig, secret: bytes | None, *, tls: ssl.SSLContext |
             ) from None
         restored = state.meta
     del trainer  # the user's objects (optimizer, data) are not needed past this point
-    round_config = RoundConfig(
-        fragments=plan.num_fragments,
-        sync_every=config.sync_every,
-        overlap=config.overlap,
-        quorum=config.quorum,
-        grace_factor=config.grace_factor,
-        staleness=config.staleness,
-    )
+    round_config = RoundConfig.of(config, fragments=plan.num_fragments)
     rounds = Rounds(round_config, versions=model.versions, next_round=int(restored.get("next_round", 0)))
     # The clock and next_round belong together: rounds are due by the clock, so restoring one
     # without the other would open nothing until a fresh clock caught up.

@@ -76,6 +76,7 @@ from dilocod.outer.guard import (
 from dilocod.precision import recast, tensor_views
 from dilocod.syncer.buffers import Buffer, BufferPool, zeroed
 from dilocod.syncer.checkpoint import Lent, TensorPiece
+from dilocod.wire.choices import UPDATE_PRECISIONS
 from dilocod.wire.layouts import push_layout
 from dilocod.wire.manifest import ModelEntry, TensorEntry, fragment_manifest, piece_rows
 
@@ -155,8 +156,10 @@ class GlobalModel:
         embedding_pattern: str,
         update_precision: str = "fp32",
     ) -> None:
-        if update_precision not in ("fp32", "bf16"):
-            raise ValueError(f"update precision must be fp32 or bf16, not {update_precision!r}")
+        if update_precision not in UPDATE_PRECISIONS:
+            raise ValueError(
+                f"update precision must be {' or '.join(UPDATE_PRECISIONS)}, not {update_precision!r}"
+            )
         self.plan = plan
         self.update_precision = update_precision
         self.specs = {s.name: s for s in specs}

@@ -43,12 +43,14 @@ learners gone longer than the caller's retention, and all but the MAX_GONE_LEARN
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections import Counter, OrderedDict, defaultdict, deque
 from dataclasses import dataclass, field
 from enum import Enum
 
+from dilocod.config import SyncerConfig
 from dilocod.outer import RoundOpening, open_rounds, quorum_clock, round_fragment, rounds_due
 from dilocod.outer.guard import NormHistory, Verdict
 from dilocod.outer.schedule import due_step
@@ -72,6 +74,8 @@ LOCKSTEP_MIN_WAIT_S = 30.0
 #: cores) holds a bounded backlog, not a growing one; the learners train on, and their next pushes
 #: carry the steps. Lock-step skips no round.
 MAX_MERGES_BEHIND = 2
+#: The defaults of the syncer's settings, declared once in dilocod.config.daemons.
+_DEFAULTS = SyncerConfig()
 #: Lateness samples (steps between a round's due step and a learner's snapshot or apply) kept per
 #: learner for the status's median and p99.
 LATENESS_SAMPLES = 1024
@@ -79,15 +83,16 @@ LATENESS_SAMPLES = 1024
 
 @dataclass(frozen=True, slots=True)
 class RoundConfig:
-    """The schedule's knobs (docs/design.md §3.6 defaults)."""
+    """The schedule's knobs (docs/design.md §3.6 defaults): the syncer's settings of the same
+    names (RoundConfig.of), and their defaults."""
 
-    fragments: int = 24  # P
-    sync_every: int = 24  # H
-    overlap: int = 2  # tau
-    quorum: int = 1  # K; QUORUM_ALL: lock-step, every live learner
-    grace_factor: float = 0.5  # gamma
+    fragments: int = _DEFAULTS.fragments  # P
+    sync_every: int = _DEFAULTS.sync_every  # H
+    overlap: int = _DEFAULTS.overlap  # tau
+    quorum: int = _DEFAULTS.quorum  # K; QUORUM_ALL: lock-step, every live learner
+    grace_factor: float = _DEFAULTS.grace_factor  # gamma
     #: A push may be merged into a fragment at most this many versions ahead of its base.
-    staleness: int = 1
+    staleness: int = _DEFAULTS.staleness
     #: Weight of the newest sample in the running means (step, quorum and sync times).
     ema_alpha: float = 0.2
 
@@ -107,6 +112,13 @@ class RoundConfig:
     @property
     def lockstep(self) -> bool:
         return self.quorum == QUORUM_ALL
+
+    @classmethod
+    def of(cls, config: SyncerConfig, *, fragments: int) -> RoundConfig:
+        """The syncer's settings of the same names, for a plan of this many fragments (the
+        model may have fewer pieces than --fragments asks)."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"fragments", "ema_alpha"}
+        return cls(fragments=fragments, **{name: getattr(config, name) for name in names})
 
 
 class RoundState(Enum):

@@ -19,7 +19,8 @@ from typing import Any
 
 import structlog
 
-from dilocod.tuning.codecs import CODEC_NAMES, CodecFigure
+from dilocod.tuning.codecs import CodecFigure
+from dilocod.wire.choices import CODECS
 
 log = structlog.get_logger("dilocod.tuning")
 
@@ -78,7 +79,7 @@ def advice_from_json(entry: object) -> Advice:
     if not isinstance(entry, dict):
         raise _Invalid(f"an entry is {type(entry).__name__}, not an object")
     codec = _field(entry, "codec", str)
-    if codec not in CODEC_NAMES:
+    if codec not in CODECS:
         raise _Invalid(f"codec is {codec!r}")
     streams = _field(entry, "streams", int)
     chunk = _field(entry, "chunk_bytes", int)
@@ -89,7 +90,7 @@ def advice_from_json(entry: object) -> Advice:
     if not isinstance(listed, list):
         raise _Invalid(f"figures is {listed!r}")
     for figure in listed:
-        if not isinstance(figure, dict) or figure.get("codec") not in CODEC_NAMES:
+        if not isinstance(figure, dict) or figure.get("codec") not in CODECS:
             raise _Invalid(f"a codec figure is {figure!r}")
         ratio = _speed(figure.get("ratio"), "ratio")
         compress = _speed(figure.get("compress_gbps"), "compress_gbps")

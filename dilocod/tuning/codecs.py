@@ -14,10 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from dilocod.wire import codecs as wire_codecs
-from dilocod.wire.frames import CODEC_NAMES as WIRE_CODEC_NAMES
-from dilocod.wire.frames import CODECS_BY_NAME, ChunkHeader, Codec
-
-CODEC_NAMES = ("none", "lz4", "zstd")
+from dilocod.wire.choices import CODECS, DEFAULT_CHUNK_BYTES
+from dilocod.wire.frames import CODEC_NAMES, CODECS_BY_NAME, ChunkHeader, Codec
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,9 +123,9 @@ def spread_sample(data: wire_codecs.Buffer, chunk_bytes: int, max_bytes: int) ->
 def measure_codecs(
     sample: wire_codecs.Buffer,
     *,
-    chunk_bytes: int = 1 << 20,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     shuffle_item_size: int = 4,
-    codecs: Sequence[str] = CODEC_NAMES,
+    codecs: Sequence[str] = CODECS,
     min_seconds: float = 0.2,
 ) -> list[CodecFigure]:
     """Each codec on `sample`, chunk by chunk, exactly as a push compresses it
@@ -167,7 +165,7 @@ def _measure_one(
 
     bits = raw_bytes * 8
     return CodecFigure(
-        WIRE_CODEC_NAMES[codec],
+        CODEC_NAMES[codec],
         raw_bytes / sum(len(payload) for _, payload in decodes),
         bits / _median_pass_s(compress_all, min_seconds) / 1e9,
         bits / _median_pass_s(decompress_all, min_seconds) / 1e9,

@@ -10,6 +10,7 @@ import struct
 from dataclasses import dataclass
 from enum import IntEnum
 
+from dilocod.wire.choices import CODECS
 from dilocod.wire.errors import ErrorCode, RemoteProtocolError
 from dilocod.wire.limits import Limits, chunk_payload_bound
 
@@ -54,7 +55,7 @@ class Codec(IntEnum):
     ZSTD = 2
 
 
-CODEC_NAMES = {Codec.NONE: "none", Codec.LZ4: "lz4", Codec.ZSTD: "zstd"}
+CODEC_NAMES = dict(zip(Codec, CODECS, strict=True))
 CODECS_BY_NAME = {name: codec for codec, name in CODEC_NAMES.items()}
 #: Frame types whose stream id names a transfer (must be non-zero); all others carry 0.
 TRANSFER_FRAMES = frozenset(

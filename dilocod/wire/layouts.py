@@ -16,9 +16,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from dilocod.wire.choices import PRECISIONS
 from dilocod.wire.manifest import TensorEntry, pack_manifest
 
-PRECISIONS = ("fp32", "bf16", "int8", "int4")
 BLOCK_SIZE = 64
 SCALES_SUFFIX = "#scales"
 _BITS = {"int8": 8, "int4": 4}

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgpack
 
+from dilocod.wire.choices import PRECISIONS
 from dilocod.wire.errors import ErrorCode, RemoteProtocolError
 from dilocod.wire.frames import CODECS_BY_NAME, FrameType
-from dilocod.wire.layouts import PRECISIONS, layout_fault
+from dilocod.wire.layouts import layout_fault
 from dilocod.wire.limits import DEFAULT_LIMITS, Limits
 from dilocod.wire.manifest import (
     ModelEntry,
@@ -559,7 +560,7 @@ class StreamHeader:
     chunk_bytes: int
 
     if TYPE_CHECKING:  # not fields here: each header type declares them as its last two fields
-        #: The wire precision the manifest lays the values out at (wire.layouts.PRECISIONS): the
+        #: The wire precision the manifest lays the values out at (wire.choices.PRECISIONS): the
         #: receiver reads it, never infers it from the manifest.
         precision: str
         #: Chunks not sent (a chunk_bitmap; optional on the wire, b"" for none): the receiver holds
@@ -591,7 +592,7 @@ class StreamHeader:
 
     @staticmethod
     def parse_precision(b: _Body, manifest: tuple[TensorEntry, ...]) -> str:
-        """`precision`: one of wire.layouts.PRECISIONS (MALFORMED_BODY), whose layout the
+        """`precision`: one of wire.choices.PRECISIONS (MALFORMED_BODY), whose layout the
         manifest's dtypes must be (BAD_MANIFEST)."""
         precision = b.text("precision", 8, PRECISIONS)
         fault = layout_fault(manifest, precision)

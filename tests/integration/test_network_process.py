@@ -114,7 +114,7 @@ def _torch_libraries(pid: int) -> list[str]:
 def test_the_network_process_pushes_without_torch_at_fp32(precision: str) -> None:
     with scripted_syncer() as (port, pushes):
         bridge, reader, side = open_network_process()
-        link = LinkConfig("127.0.0.1", port, "learner-a", None, streams=1, precision=precision)
+        link = LinkConfig("127.0.0.1", port, "learner-a", None, streams=1, codec="none", precision=precision)
         bridge.spawn(encode_config(link, MODEL, "", False), side)
         try:
             anchor: Adopt | None = None

@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -24,11 +25,11 @@ import pytest
 from dilocod.cli import main as cli
 from dilocod.config import (
     EX_CONFIG,
-    LEARNER_FIELDS,
-    SYNCER_FIELDS,
     LearnerConfig,
     SyncerConfig,
+    defaults,
     load_config,
+    settings,
 )
 from dilocod.learner.daemon import NETWORK_STOP_TIMEOUT_S
 from dilocod.transport.options import TransportOptions
@@ -195,8 +196,8 @@ def test_the_learner_keeps_its_gpus() -> None:
 
 
 def test_the_example_configs_load_through_the_real_loader() -> None:
-    syncer = load_config(SyncerConfig, SYNCER_FIELDS, SYSTEMD / "syncer.toml.example", {})
-    learner = load_config(LearnerConfig, LEARNER_FIELDS, SYSTEMD / "learner.toml.example", {})
+    syncer = load_config(SyncerConfig, SYSTEMD / "syncer.toml.example", {})
+    learner = load_config(LearnerConfig, SYSTEMD / "learner.toml.example", {})
     # The units pass these two; a value in the file would only be overridden.
     for config in (syncer, learner):
         assert config.state_dir is None and config.secret_file is None
@@ -207,6 +208,37 @@ def test_the_example_configs_load_through_the_real_loader() -> None:
     readme = (SYSTEMD / "README.md").read_text()
     assert f"dport {syncer.listen.port} accept" in readme
     assert f"ufw allow {syncer.listen.port}/tcp" in readme
+
+
+#: Keys an example sets off their default on purpose (keys without a default show an example).
+SET_OFF_DEFAULT = {"syncer": set(), "learner": {"device", "progress_every_s"}}
+#: The units pass these as flags, so the examples leave them out.
+PASSED_BY_THE_UNITS = {"state_dir", "secret_file"}
+#: `key = value`, set or commented out (`# key = value`): a line of an example that names a key.
+EXAMPLE_LINE = re.compile(r"^(#\s*)?([a-z][a-z0-9_-]*)\s*=\s*(.+)$")
+
+
+@pytest.mark.parametrize(("daemon", "cls"), [("syncer", SyncerConfig), ("learner", LearnerConfig)])
+def test_the_example_configs_show_every_setting_and_its_default(daemon: str, cls: type) -> None:
+    """Every key an example names, set or commented out, is a declared setting whose value parses;
+    every setting but the two the units pass is there; a value shown is the default unless the key
+    has none or is set off it on purpose (SET_OFF_DEFAULT)."""
+    declared, default = settings(cls), defaults(cls)
+    shown: dict[str, object] = {}
+    for line in (SYSTEMD / f"{daemon}.toml.example").read_text().splitlines():
+        match = EXAMPLE_LINE.match(line)
+        if match is None:
+            continue
+        key = match.group(2).replace("-", "_")
+        assert key in declared, f"{daemon}.toml.example: {match.group(2)} is no setting of {daemon}"
+        assert key not in shown, f"{daemon}.toml.example names {key} twice"
+        shown[key] = declared[key].parse(tomllib.loads(f"v = {match.group(3)}")["v"], key)
+    assert set(declared) - set(shown) == PASSED_BY_THE_UNITS
+    for key, value in shown.items():
+        if default[key] is not None and key not in SET_OFF_DEFAULT[daemon]:
+            assert value == default[key], (
+                f"{daemon}.toml.example: {key} = {value!r}, default {default[key]!r}"
+            )
 
 
 def test_the_sysctl_file_tunes_tcp_for_the_wan() -> None:

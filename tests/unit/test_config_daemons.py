@@ -17,14 +17,15 @@ from click.testing import CliRunner
 
 from dilocod.config import (
     EX_CONFIG,
-    LEARNER_FIELDS,
-    SYNCER_FIELDS,
     ConfigError,
     LearnerConfig,
-    Parse,
     SyncerConfig,
+    default_text,
+    defaults,
+    flag_of,
     learner_seed,
     load_config,
+    settings,
 )
 
 #: A valid TOML value for each key either daemon lists (a test fails when a key is added without one).
@@ -71,31 +72,27 @@ SAMPLE_VALUES: dict[str, object] = {
     "network": "thread",
 }
 
-DAEMONS: dict[str, tuple[type[Any], dict[str, Parse]]] = {
-    "syncer": (SyncerConfig, SYNCER_FIELDS),
-    "learner": (LearnerConfig, LEARNER_FIELDS),
-}
-LISTED = [(daemon, key) for daemon, (_, fields) in DAEMONS.items() for key in fields]
+DAEMONS: dict[str, type[Any]] = {"syncer": SyncerConfig, "learner": LearnerConfig}
+LISTED = [(daemon, key) for daemon, cls in DAEMONS.items() for key in settings(cls)]
 
 
 @pytest.mark.parametrize(("daemon", "key"), LISTED)
 def test_every_listed_key_is_accepted_by_load_config_and_the_dataclass(
     tmp_path: Path, daemon: str, key: str
 ) -> None:
-    cls, fields = DAEMONS[daemon]
-    assert key in {field.name for field in dataclasses.fields(cls)}, f"{daemon} lists {key} but has no field"
+    cls = DAEMONS[daemon]
     toml = tmp_path / "daemon.toml"
     value = SAMPLE_VALUES[key]
     toml.write_text(f"{key.replace('_', '-')} = {_toml(value)}\n")
-    config = load_config(cls, fields, toml, {})
-    assert getattr(config, key) == fields[key](value, key)
+    config = load_config(cls, toml, {})
+    assert getattr(config, key) == settings(cls)[key].parse(value, key)
 
 
 def test_a_key_the_daemon_does_not_list_is_refused_naming_it(tmp_path: Path) -> None:
     toml = tmp_path / "syncer.toml"
     toml.write_text('network = "process"\n')
     with pytest.raises(ConfigError, match="unknown key 'network'"):
-        load_config(SyncerConfig, SYNCER_FIELDS, toml, {})
+        load_config(SyncerConfig, toml, {})
 
 
 def test_syncer_toml_with_network_exits_78_naming_the_key(tmp_path: Path) -> None:
@@ -178,7 +175,7 @@ def test_the_default_seed_is_stable_and_fits_every_rng() -> None:
 
 
 def test_the_syncer_guard_defaults_are_the_guard_s_own() -> None:
-    """config.py stays torch-free, so it writes the guard's defaults out instead of importing them."""
+    """dilocod.config stays torch-free, so it writes the guard's defaults out instead of importing them."""
     from dilocod.outer import guard
 
     config = SyncerConfig()
@@ -189,7 +186,7 @@ def test_the_syncer_guard_defaults_are_the_guard_s_own() -> None:
 @pytest.mark.parametrize("value", [0, -1.0, "inf", "nan", "many"])
 def test_a_meaningless_max_fragment_ratio_is_refused_naming_the_key(value: object) -> None:
     with pytest.raises(ConfigError, match="--max-fragment-ratio"):
-        load_config(SyncerConfig, SYNCER_FIELDS, None, {"max_fragment_ratio": value})
+        load_config(SyncerConfig, None, {"max_fragment_ratio": value})
 
 
 def test_max_fragment_ratio_is_a_syncer_flag() -> None:
@@ -200,12 +197,131 @@ def test_max_fragment_ratio_is_a_syncer_flag() -> None:
 
 
 def test_quorum_all_is_lockstep_and_needs_overlap_within_sync_every() -> None:
-    config = load_config(
-        SyncerConfig, SYNCER_FIELDS, None, {"quorum": "all", "overlap": "4", "sync_every": "4"}
-    )
+    config = load_config(SyncerConfig, None, {"quorum": "all", "overlap": "4", "sync_every": "4"})
     assert config.lockstep and config.quorum == 0
-    assert not load_config(SyncerConfig, SYNCER_FIELDS, None, {"quorum": "3"}).lockstep
+    assert not load_config(SyncerConfig, None, {"quorum": "3"}).lockstep
     with pytest.raises(ConfigError, match="--overlap: 5 is above --sync-every"):
-        load_config(SyncerConfig, SYNCER_FIELDS, None, {"quorum": "all", "overlap": "5", "sync_every": "4"})
+        load_config(SyncerConfig, None, {"quorum": "all", "overlap": "5", "sync_every": "4"})
     with pytest.raises(ConfigError, match=r"--quorum: '0' is neither all nor an integer 1\.\.65536"):
-        load_config(SyncerConfig, SYNCER_FIELDS, None, {"quorum": "0"})
+        load_config(SyncerConfig, None, {"quorum": "0"})
+
+
+# --------------------------------------------------------------------------- the one declaration
+
+
+@pytest.mark.parametrize("cls", DAEMONS.values())
+def test_every_field_is_a_declared_setting_with_help(cls: type[Any]) -> None:
+    assert list(settings(cls)) == [field.name for field in dataclasses.fields(cls)]
+    assert all(spec.help.strip() and spec.help.endswith(".") for spec in settings(cls).values())
+
+
+@pytest.mark.parametrize("daemon", DAEMONS)
+def test_help_explains_every_setting_with_its_default(daemon: str) -> None:
+    """The command's options are the declared settings, in order, each with its help and its
+    default (or [required]) as --help prints them."""
+    from dilocod.cli import main
+
+    cls = DAEMONS[daemon]
+    command = main.commands[daemon]
+    options = {param.name: param for param in command.params if param.name in settings(cls)}
+    assert list(options) == list(settings(cls))
+    for name, spec in settings(cls).items():
+        option = options[name]
+        assert option.opts == [flag_of(name)] and option.default is None  # None: not given
+        assert option.help == f"{spec.help}  {default_text(cls, name)}"
+        assert option.help.endswith("]") and ("[default: " in option.help or "[required]" in option.help)
+    page = " ".join(CliRunner().invoke(main, [daemon, "--help"], terminal_width=100).output.split())
+    for name, spec in settings(cls).items():
+        assert f"{flag_of(name)} " in page and " ".join(spec.help.split()) in page
+
+
+def test_defaults_are_shown_as_they_are_typed() -> None:
+    assert default_text(SyncerConfig, "chunk") == "[default: 1MiB]"
+    assert default_text(SyncerConfig, "checkpoint_every_s") == "[default: 300]"
+    assert default_text(SyncerConfig, "listen") == "[default: 0.0.0.0:7070]"
+    assert default_text(SyncerConfig, "insecure") == "[default: off]"
+    assert default_text(LearnerConfig, "streams") == "[default: auto]"
+    assert default_text(LearnerConfig, "syncer") == "[required]"
+
+
+def _flag_text(value: object) -> object:
+    """What click hands over for a flag given this value: its text (True for a switch)."""
+    return value if isinstance(value, bool) else str(value)
+
+
+@pytest.mark.parametrize(("daemon", "key"), LISTED)
+def test_toml_and_flags_reach_the_same_field(tmp_path: Path, daemon: str, key: str) -> None:
+    cls = DAEMONS[daemon]
+    toml = tmp_path / "daemon.toml"
+    toml.write_text(f"{key.replace('_', '-')} = {_toml(SAMPLE_VALUES[key])}\n")
+    from_toml = load_config(cls, toml, {})
+    from_flag = load_config(cls, None, {key: _flag_text(SAMPLE_VALUES[key])})
+    assert getattr(from_toml, key) == getattr(from_flag, key) != defaults(cls)[key]
+    assert from_toml == from_flag
+    # Flags win over the file; a flag not given (None) leaves the file's value.
+    assert load_config(cls, toml, {key: None}) == from_toml
+
+
+@pytest.mark.parametrize(("daemon", "key"), LISTED)
+def test_a_bad_value_names_its_key(tmp_path: Path, daemon: str, key: str) -> None:
+    cls = DAEMONS[daemon]
+    toml = tmp_path / "daemon.toml"
+    toml.write_text(f"{key.replace('_', '-')} = [1]\n")
+    with pytest.raises(ConfigError, match=f"^{key.replace('_', '-')} \\(in {toml}\\): "):
+        load_config(cls, toml, {})
+    if not isinstance(defaults(cls)[key], bool):  # a switch's flag has no text to get wrong
+        with pytest.raises(ConfigError, match=f"^{flag_of(key)}: "):
+            load_config(cls, None, {key: ""})
+
+
+def test_an_unknown_flag_is_refused_naming_it() -> None:
+    with pytest.raises(ConfigError, match="--network: not a setting"):
+        load_config(SyncerConfig, None, {"network": "thread"})
+
+
+def test_the_copies_beside_the_math_are_the_math_s_own() -> None:
+    """config stays torch-free, so it writes the merges and apply modes out too."""
+    from dilocod.config import APPLY_MODES, MERGES
+    from dilocod.outer import APPLY_MODES as OUTER_APPLY_MODES
+    from dilocod.outer.step import MERGES as OUTER_MERGES
+
+    assert MERGES == OUTER_MERGES and APPLY_MODES == OUTER_APPLY_MODES
+
+
+# ------------------------------------------------------- the parts' configurations, derived
+
+
+def test_the_parts_take_their_defaults_from_the_declaration() -> None:
+    from dilocod.learner.link import LinkConfig
+    from dilocod.learner.runtime import RuntimeConfig
+    from dilocod.syncer.rounds import RoundConfig
+
+    syncer, learner = SyncerConfig(), LearnerConfig()
+    assert RoundConfig.of(syncer, fragments=syncer.fragments) == RoundConfig()
+    assert RuntimeConfig.of(learner) == RuntimeConfig(entry=learner.entry)
+    link = LinkConfig("h", 1, "l", None)
+    assert (link.streams, link.codec, link.precision) == (learner.streams, learner.codec, learner.precision)
+    assert (link.chunk_bytes, link.join_timeout_s) == (learner.chunk, learner.join_timeout_s)
+
+
+def test_the_parts_are_derived_from_the_daemon_s_configuration() -> None:
+    """Every setting a part shares with its daemon reaches it when set off its default."""
+    from dilocod.learner.link import LinkConfig
+    from dilocod.learner.runtime import RuntimeConfig
+    from dilocod.syncer.rounds import RoundConfig
+
+    flags = {key: _flag_text(SAMPLE_VALUES[key]) for key in settings(SyncerConfig)}
+    syncer = load_config(SyncerConfig, None, {**flags, "overlap": "2", "sync_every": "12"})
+    rounds = RoundConfig.of(syncer, fragments=3)
+    shared = {f.name for f in dataclasses.fields(RoundConfig)} - {"fragments", "ema_alpha"}
+    assert shared and all(getattr(rounds, name) == getattr(syncer, name) for name in shared)
+    assert rounds.fragments == 3
+    flags = {key: _flag_text(SAMPLE_VALUES[key]) for key in settings(LearnerConfig)}
+    learner = load_config(LearnerConfig, None, flags)
+    runtime = RuntimeConfig.of(learner)
+    assert all(getattr(runtime, f.name) == getattr(learner, f.name) for f in dataclasses.fields(runtime))
+    link = LinkConfig.of(learner, secret=b"s" * 16)
+    assert learner.syncer is not None
+    assert (link.host, link.port, link.learner_id) == (learner.syncer.host, learner.syncer.port, learner.id)
+    assert (link.streams, link.codec, link.precision) == (learner.streams, learner.codec, learner.precision)
+    assert (link.chunk_bytes, link.join_timeout_s) == (learner.chunk, learner.join_timeout_s)

@@ -46,6 +46,7 @@ DEPENDS_ON: dict[str, set[str]] = {
         "syncer",
         "transport",
         "tuning",
+        "wire",
     },
     "__init__": {"contract"},
     "__main__": {"cli"},

@@ -20,9 +20,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dilocod.wire.choices import PRECISIONS
 from dilocod.wire.errors import ErrorCode, RemoteProtocolError
 from dilocod.wire.frames import CODECS_BY_NAME, FrameType
-from dilocod.wire.layouts import PRECISIONS, push_layout
+from dilocod.wire.layouts import push_layout
 from dilocod.wire.limits import Limits
 from dilocod.wire.manifest import (
     DTYPE_SIZES,

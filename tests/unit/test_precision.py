@@ -11,7 +11,8 @@ import torch
 
 from dilocod.outer import nesterov_step_, rda_merge
 from dilocod.precision import decode, encode
-from dilocod.wire.layouts import PRECISIONS, layout_fault, push_layout
+from dilocod.wire.choices import PRECISIONS
+from dilocod.wire.layouts import layout_fault, push_layout
 
 SHAPES = [("embed.weight", (50, 8)), ("out.bias", (7,)), ("block.w", (3, 5, 9))]
 

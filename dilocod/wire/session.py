@@ -19,7 +19,7 @@ clocks or logging in here; nothing of the project outside wire/.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dilocod.wire.errors import ErrorCode, LocalProtocolError, RemoteProtocolError
@@ -276,7 +276,10 @@ class SessionCore:
         if isinstance(message, PushHeader | UpdateHeader):
             return self._header_received(stream_id, message, now)
         if isinstance(message, FragmentEnd):
-            return self._step(stream_id, lambda: self.inbound.end(stream_id, message))
+            try:
+                return self._completed(stream_id, self.inbound.end(stream_id, message))
+            except RemoteProtocolError as exc:
+                return self._reset_inbound(stream_id, exc)
         if isinstance(message, FragmentAck):
             if self._outbound.pop(stream_id, None) is None:
                 return []  # ended already (failed, given up): nothing waits for it
@@ -317,7 +320,10 @@ class SessionCore:
         """A Decode succeeded: the chunk's bytes are in place and match its checksum."""
         if self.closed:
             return []
-        return self._step(transfer_id, lambda: self.inbound.chunk_verified(transfer_id, chunk))
+        try:
+            return self._completed(transfer_id, self.inbound.chunk_verified(transfer_id, chunk))
+        except RemoteProtocolError as exc:  # the end digest differs: that transfer only is void
+            return self._reset_inbound(transfer_id, exc)
 
     def chunk_failed(self, transfer_id: int, chunk: ChunkHeader, error: RemoteProtocolError) -> list[Action]:
         """A Decode failed. A chunk damaged on the way is asked for again where the peer resends
@@ -440,13 +446,9 @@ class SessionCore:
         out.asked_again += 1
         return [ResendChunks(transfer_id, (seq,))]
 
-    def _step(self, transfer_id: int, step: Callable[[], FragmentAssembled | None]) -> list[Action]:
-        """Run one step of an inbound transfer: a completed fragment is acknowledged and delivered;
-        a protocol error voids that transfer only."""
-        try:
-            done = step()
-        except RemoteProtocolError as exc:
-            return self._reset_inbound(transfer_id, exc)
+    def _completed(self, transfer_id: int, done: FragmentAssembled | None) -> list[Action]:
+        """A step of an inbound transfer went through; a completed fragment is acknowledged and
+        delivered."""
         if done is None:
             return []
         self._opened.pop(transfer_id, None)

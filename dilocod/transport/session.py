@@ -1,15 +1,16 @@
 """Session: one control connection plus N data connections to one peer, on either end.
 
-Owns fragment transfers in both directions. Sending: the header goes on the control connection,
-chunks are compressed on a thread pool (in order, a few ahead) and written to the least-loaded data
-connection, then FRAGMENT_END; the send completes when the receiver acknowledges, and a lost data
-connection's chunks are resent on the survivors meanwhile, as are the chunks the receiver asks for
-again (CHUNK_RESEND, up to its allowance). Receiving: chunks land in the destination buffer
-(straight from the socket when uncompressed), are verified or decompressed off the loop, and a
-whole verified fragment is acknowledged and queued for recv(); a chunk that arrives damaged is
-asked for again where the peer listed the chunk-resend capability (protocol/SPEC.md §5.12), else
-its transfer is reset. Transfer ids are odd when the client sends and even when the server does,
-so a STREAM_RESET is never ambiguous.
+The asyncio executor of a SessionCore (wire/session.py), which makes every decision about the
+session's transfers (ids and their parity, acknowledgements, resets, resends, CHUNK_RESEND
+allowances, spare chunks): this module feeds it what the connections report and carries out the
+actions it returns. What stays here is IO and its pacing. Sending: the header goes on the control
+connection, chunks are compressed on a thread pool (in order, a few ahead) and written to the
+least-loaded data connection, then FRAGMENT_END; send_fragment returns when the core says the
+receiver acknowledged, resending what the core asks for meanwhile, and resets the transfer when no
+acknowledgement comes in time. Receiving: chunks land in the destination buffer (straight from the
+socket when uncompressed) and are verified inline or decompressed off the loop (reading pauses
+while too many decodes wait); messages and whole fragments wait in a bounded queue for recv()
+(reading the control connection pauses while it is full); keepalive pings and idle deadlines.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from functools import partial
 
 from dilocod.transport.errors import SessionClosed, TransferFailed
 from dilocod.transport.options import TransportOptions
@@ -31,32 +31,24 @@ from dilocod.wire.errors import ErrorCode, RemoteProtocolError
 from dilocod.wire.events import ChunkReceived, Event, HandshakeCompleted, MessageReceived, PeerWentAway
 from dilocod.wire.frames import CODECS_BY_NAME, ChunkHeader, Codec
 from dilocod.wire.limits import Limits
-from dilocod.wire.messages import (
-    CHUNK_RESEND_CAPABILITY,
-    ChunkResend,
-    FragmentAck,
-    FragmentEnd,
-    Message,
-    Ping,
-    Pong,
-    PushHeader,
-    StreamReset,
-    UpdateHeader,
+from dilocod.wire.messages import CHUNK_RESEND_CAPABILITY, Message, Ping, PushHeader, UpdateHeader
+from dilocod.wire.session import (
+    AbortControl,
+    Action,
+    CompleteSend,
+    Decode,
+    DeliverFragment,
+    DeliverMessage,
+    FailSend,
+    InboundCutShort,
+    PeerFaulted,
+    ResendChunks,
+    SendMessage,
+    SessionCore,
+    blames_peer,
 )
 from dilocod.wire.states import Role
-from dilocod.wire.stream import (
-    DAMAGED_CHUNK_CODES,
-    MAX_EARLY_BYTES,
-    Allocate,
-    CutShort,
-    FragmentAssembled,
-    InboundStreams,
-    OutboundTransfer,
-    StreamHeader,
-    resend_allowance,
-)
-
-CONTROL_INDEX = -1
+from dilocod.wire.stream import MAX_EARLY_BYTES, Allocate, CutShort, StreamHeader
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,15 +76,15 @@ def _encode(
 
 @dataclass(slots=True)
 class _Send:
+    """What the coroutine sending one transfer waits on; the core decides what goes in."""
+
+    transfer_id: int
     header: StreamHeader
     view: memoryview
     shuffle: int
     checksums: Sequence[int] | None
-    out: OutboundTransfer
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     resend: list[int] = field(default_factory=list)
-    #: Chunks the receiver asked for again (CHUNK_RESEND), against its allowance.
-    asked_again: int = 0
     acked: bool = False
     error: BaseException | None = None
 
@@ -119,14 +111,15 @@ class Session:
         self._loop = asyncio.get_running_loop()
         self._executor = executor
         self._owns_executor = owns_executor
-        self._inbound = InboundStreams(limits, allocate or allocate_bytearray, max_early_bytes)
-        self._inbound_opened: dict[int, float] = {}
-        #: (transfer, seq) -> a resent copy of a chunk that another connection is still reading in
-        #: place; kept until that read completes (then dropped) or its connection dies (then used).
-        self._spares: dict[tuple[int, int], ChunkReceived] = {}
-        self._outbound: dict[int, _Send] = {}
-        # Client-sent transfers are odd, server-sent even (protocol/SPEC.md §6).
-        self._transfer_ids = itertools.count(1 if role is Role.CLIENT else 2, 2)
+        #: Every decision about this session's transfers (wire/session.py); this class executes them.
+        self.core = SessionCore(
+            role,
+            limits,
+            allocate or allocate_bytearray,
+            max_early_bytes=max_early_bytes,
+            peer_resends=CHUNK_RESEND_CAPABILITY in peer.capabilities,
+        )
+        self._sends: dict[int, _Send] = {}
         self._data_index = itertools.count()
         self._incoming: deque[Incoming] = deque()
         self._wakeup = asyncio.Event()
@@ -146,10 +139,6 @@ class Session:
         self.closed = asyncio.Event()
         self.bytes_payload_sent = 0
         self.bytes_payload_received = 0
-        #: Damaged chunks of inbound transfers this end asked for again (CHUNK_RESEND).
-        self.chunks_asked_again = 0
-        #: Whether the peer resends a chunk it is asked for again (its handshake said so).
-        self._peer_resends = CHUNK_RESEND_CAPABILITY in peer.capabilities
         #: Called with what an inbound transfer that was opened and then failed or was abandoned
         #: (reset by either side, or the session closed) holds. A decompression may still be
         #: writing into its buffer: drop it, or (the session closed) wait for decodes_idle before
@@ -159,7 +148,7 @@ class Session:
         #: it ("transfer N"), or a connection closed for it ("control connection", "data
         #: connection"). For the application's log: the transport itself logs nothing.
         self.on_peer_error: Callable[[str, RemoteProtocolError], None] | None = None
-        control.conn.chunk_sink = self._inbound.chunk_target
+        control.conn.chunk_sink = self.core.chunk_target
         control.attach(self._on_event, self._on_control_lost)
         self._timer = self._loop.call_later(options.ping_interval_s, self._keepalive)
 
@@ -175,6 +164,11 @@ class Session:
         # its transport reports the loss that finishes the session: between the two, nothing may
         # be sent on it, and the session is as good as closed.
         return not self.closed.is_set() and self.control.is_open
+
+    @property
+    def chunks_asked_again(self) -> int:
+        """Damaged chunks of inbound transfers this end asked for again (CHUNK_RESEND)."""
+        return self.core.chunks_asked_again
 
     def round_trip_s(self) -> float | None:
         """The kernel's lowest round-trip time among this session's open connections (TCP_INFO),
@@ -193,13 +187,12 @@ class Session:
         a transfer by raising RemoteProtocolError: the peer gets STREAM_RESET with its code, and
         the session goes on. max_early_bytes bounds the chunks kept ahead of their header (0 for
         an allocator that refuses everything: such chunks could never be used)."""
-        self._inbound.allocate = allocate
-        self._inbound.max_early_bytes = max_early_bytes
+        self.core.set_allocator(allocate, max_early_bytes)
 
     def attach_data(self, proto: FrameProtocol) -> None:
         """Add an authenticated data connection of this session."""
         proto.index = next(self._data_index)
-        proto.conn.chunk_sink = self._inbound.chunk_target
+        proto.conn.chunk_sink = self.core.chunk_target
         self.data.append(proto)
         proto.attach(self._on_event, self._on_data_lost)
 
@@ -247,39 +240,31 @@ class Session:
         view = memoryview(buffer).cast("B")
         if len(view) != header.raw_bytes:
             raise ValueError(f"buffer holds {len(view)} bytes, header declares {header.raw_bytes}")
-        if checksums is not None and len(checksums) != header.chunks:
-            raise ValueError(f"{len(checksums)} checksums given for a fragment of {header.chunks} chunks")
-        skipped = set(header.skipped)
-        if skipped and checksums is None:
-            raise ValueError("a transfer that skips chunks needs their checksums (for the end digest)")
-        transfer_id = next(self._transfer_ids)
-        send = _Send(header, view, shuffle_item_size, checksums, OutboundTransfer(transfer_id, header.chunks))
-        for seq in skipped:  # the receiver holds these (the header's skip); the digest covers them
-            send.out.checksums[seq] = checksums[seq]  # type: ignore[index]  # checked above
-        self._outbound[transfer_id] = send
+        transfer_id, to_send = self.core.start_send(header, checksums)
+        send = _Send(transfer_id, header, view, shuffle_item_size, checksums)
+        self._sends[transfer_id] = send
         try:
             await self.send(header, transfer_id)
-            to_send = [seq for seq in range(header.chunks) if seq not in skipped]
-            await self._send_chunks(transfer_id, send, to_send)
-            await self.send(send.out.end(), transfer_id)
+            await self._send_chunks(send, to_send)
+            if self.core.sending(transfer_id):
+                await self.send(self.core.fragment_end(transfer_id), transfer_id)
             deadline = self._loop.time() + self.options.ack_timeout_s
-            while not send.acked:
-                if send.error is not None:
-                    raise send.error
+            while not send.acked and send.error is None:
                 if send.resend:
                     seqs, send.resend = send.resend, []
-                    await self._send_chunks(transfer_id, send, seqs)
+                    await self._send_chunks(send, seqs)
                     continue
                 send.wake.clear()
                 try:
                     async with asyncio.timeout_at(deadline):
                         await send.wake.wait()
                 except TimeoutError:
-                    if self.control.is_open:
-                        self.control.send(StreamReset(ErrorCode.TIMEOUT, "no acknowledgement"), transfer_id)
-                    raise TransferFailed(ErrorCode.TIMEOUT, "receiver did not acknowledge in time") from None
+                    self._execute(self.core.ack_overdue(transfer_id))
+            if send.error is not None:
+                raise send.error
         finally:
-            del self._outbound[transfer_id]
+            del self._sends[transfer_id]
+            self.core.send_abandoned(transfer_id)  # cancelled: nothing waits for its outcome
         self.bytes_payload_sent += header.raw_bytes
         return transfer_id
 
@@ -296,10 +281,11 @@ class Session:
 
     # ------------------------------------------------------------- sending side
 
-    async def _send_chunks(self, transfer_id: int, send: _Send, seqs: Iterable[int]) -> None:
+    async def _send_chunks(self, send: _Send, seqs: Iterable[int]) -> None:
+        """Write chunks while the core says the transfer is going (never after it ended)."""
         codec = CODECS_BY_NAME[send.header.codec]
         if codec is Codec.NONE:
-            await self._send_plain_chunks(transfer_id, send, seqs)
+            await self._send_plain_chunks(send, seqs)
             return
         chunk_bytes = send.header.chunk_bytes
         depth = max(1, self.options.codec_threads * 2)
@@ -314,39 +300,46 @@ class Session:
         try:
             for seq in seqs:
                 submit(seq)
-                if len(window) >= depth:
-                    await self._write_chunk(transfer_id, send, *window.popleft())
+                if len(window) >= depth and not await self._write_chunk(send, *window.popleft()):
+                    return
             while window:
-                await self._write_chunk(transfer_id, send, *window.popleft())
+                if not await self._write_chunk(send, *window.popleft()):
+                    return
         finally:
             for _, future in window:
                 future.cancel()
 
-    async def _send_plain_chunks(self, transfer_id: int, send: _Send, seqs: Iterable[int]) -> None:
+    async def _send_plain_chunks(self, send: _Send, seqs: Iterable[int]) -> None:
         """Codec none: no pool, no window. Without prepared checksums each chunk is hashed just
         before it is written, so the kernel copies it out of cache (xxh3 runs about 4x faster on
         a cached chunk than on one it must read from memory)."""
-        chunk_bytes = send.header.chunk_bytes
-        view, known, record = send.view, send.checksums, send.out.record
+        transfer_id, chunk_bytes = send.transfer_id, send.header.chunk_bytes
+        view, known, core = send.view, send.checksums, self.core
         for seq in seqs:
             proto = await self._pick_connection()
+            if not core.sending(transfer_id):
+                return
             raw = view[seq * chunk_bytes : (seq + 1) * chunk_bytes]
             checksum = codecs.checksum(raw) if known is None else known[seq]
             proto.send_chunk(transfer_id, ChunkHeader(seq, len(raw), Codec.NONE, 0, checksum), raw)
-            record(seq, proto.index, checksum)
+            core.chunk_sent(transfer_id, seq, proto.index, checksum)
 
     async def _write_chunk(
         self,
-        transfer_id: int,
         send: _Send,
         seq: int,
         encoded: asyncio.Future[tuple[Codec, int, codecs.Buffer, int]],
-    ) -> None:
+    ) -> bool:
+        """Write one encoded chunk; False once the transfer has ended (nothing more is written)."""
         used, shuffle, payload, checksum = await encoded
-        raw_length = min(send.header.chunk_bytes, send.header.raw_bytes - seq * send.header.chunk_bytes)
+        header = send.header
+        raw_length = min(header.chunk_bytes, header.raw_bytes - seq * header.chunk_bytes)
         proto = await self._pick_connection()
-        proto.send_chunk(transfer_id, ChunkHeader(seq, raw_length, used, shuffle, checksum), payload)
-        send.out.record(seq, proto.index, checksum)
+        if not self.core.sending(send.transfer_id):
+            return False
+        proto.send_chunk(send.transfer_id, ChunkHeader(seq, raw_length, used, shuffle, checksum), payload)
+        self.core.chunk_sent(send.transfer_id, seq, proto.index, checksum)
+        return True
 
     async def _pick_connection(self) -> FrameProtocol:
         """The open data connection with the least unsent data; the control one if none is left."""
@@ -367,147 +360,76 @@ class Session:
 
     def _on_event(self, proto: FrameProtocol, event: Event) -> None:
         if isinstance(event, ChunkReceived):
-            self._on_chunk(event)
+            self._execute(
+                self.core.chunk_received(event.transfer_id, event.chunk, event.payload, event.in_place)
+            )
         elif isinstance(event, MessageReceived):
-            self._on_message(proto, event)
+            self._execute(self.core.message_received(event.message, event.stream_id, self._loop.time()))
         elif isinstance(event, PeerWentAway) and proto is self.control:
             if not self.closed.is_set():
                 self.close_code, self.close_detail = event.error_code, event.reason
             self._finish(f"peer went away: {event.reason}")
 
-    def _on_message(self, proto: FrameProtocol, event: MessageReceived) -> None:
-        message, transfer_id = event.message, event.stream_id
-        if isinstance(message, PushHeader | UpdateHeader):
-            self._open_inbound(transfer_id, message)
-        elif isinstance(message, FragmentEnd):
-            self._guard(transfer_id, partial(self._inbound.end, transfer_id, message))
-        elif isinstance(message, FragmentAck):
-            send = self._outbound.get(transfer_id)
-            if send is not None:
-                send.acked = True
-                send.wake.set()
-        elif isinstance(message, StreamReset):
-            self._on_reset(transfer_id, message)
-        elif isinstance(message, ChunkResend):
-            self._on_resend(transfer_id, message.seq)
-        elif not isinstance(message, Ping | Pong):
-            # PING is answered and PONG taken as liveness by the connection itself (any frame
-            # is): neither concerns the application, so neither waits in its queue.
-            self._queue(message)
-
-    def _on_reset(self, transfer_id: int, reset: StreamReset) -> None:
-        send = self._outbound.get(transfer_id)
-        if send is not None:
-            try:
-                code = ErrorCode(reset.code)
-            except ValueError:
-                code = ErrorCode.TRANSFER_ABORTED
-            if send.error is None:  # the first reason is the one that counts
-                send.error = TransferFailed(code, f"receiver reset the transfer: {reset.message}")
-            send.wake.set()
-        elif transfer_id % 2 == self._peer_parity:
-            self._inbound_failed(self._inbound.reset(transfer_id))
-            self._inbound_opened.pop(transfer_id, None)
-        # else: a reset of one of our own transfers that has already ended (acknowledged, failed)
-
-    def _on_resend(self, transfer_id: int, seq: int) -> None:
-        """The receiver asks for a chunk of one of our transfers again: queued for the sender.
-        A transfer that has ended already (acknowledged, failed) has nothing to send."""
-        send = self._outbound.get(transfer_id)
-        if send is None:
-            return
-        if seq >= send.header.chunks:
-            self.control.abort(
-                ErrorCode.MALFORMED_BODY,
-                f"CHUNK_RESEND for chunk {seq} of a {send.header.chunks}-chunk transfer {transfer_id}",
-            )
-            return
-        if send.asked_again >= resend_allowance(send.header.chunks):
-            # More than a receiver may ask (SPEC §5.12): a peer that asks on and on would have this
-            # end send a transfer many times over. The transfer fails; the session goes on.
-            if send.error is None:
-                send.error = TransferFailed(
-                    ErrorCode.LIMIT_EXCEEDED,
-                    f"the receiver asked for more than {send.asked_again} chunks again",
-                )
+    def _execute(self, actions: list[Action]) -> None:
+        """Carry out the core's actions, in order."""
+        for action in actions:
+            if isinstance(action, Decode):
+                self._decode(action)
+            elif isinstance(action, SendMessage):
                 if self.control.is_open:
-                    self.control.reply(
-                        StreamReset(ErrorCode.LIMIT_EXCEEDED, "too many chunks asked for again"), transfer_id
-                    )
-            send.wake.set()
-            return
-        send.asked_again += 1
-        send.resend.append(seq)
+                    if action.answer:
+                        self.control.reply(action.message, action.stream_id)
+                    else:
+                        self.control.send(action.message, action.stream_id)
+            elif isinstance(action, DeliverFragment):
+                done = action.fragment
+                self.bytes_payload_received += done.header.raw_bytes
+                self._queue(FragmentReceived(done.transfer_id, done.header, done.buffer))
+            elif isinstance(action, DeliverMessage):
+                self._queue(action.message)
+            elif isinstance(action, ResendChunks | CompleteSend | FailSend):
+                self._wake_sender(action)
+            elif isinstance(action, InboundCutShort):
+                if self.on_inbound_failed is not None:
+                    self.on_inbound_failed(action.cut)
+            elif isinstance(action, PeerFaulted):
+                self._peer_error(action.where, action.error)
+            elif isinstance(action, AbortControl):
+                self.control.abort(action.code, action.reason)
+
+    def _wake_sender(self, action: ResendChunks | CompleteSend | FailSend) -> None:
+        send = self._sends.get(action.transfer_id)
+        if send is None:
+            return  # no coroutine sends it (a transfer started by hand, or already given up)
+        if isinstance(action, ResendChunks):
+            send.resend.extend(action.seqs)
+        elif isinstance(action, CompleteSend):
+            send.acked = True
+        elif action.code is None:
+            send.error = SessionClosed(action.reason)
+        else:
+            send.error = TransferFailed(action.code, action.reason)
         send.wake.set()
 
-    @property
-    def _peer_parity(self) -> int:
-        """Transfer ids the peer sends are even from a server, odd from a client."""
-        return 0 if self.role is Role.CLIENT else 1
-
-    def _open_inbound(self, transfer_id: int, header: StreamHeader) -> None:
-        if transfer_id % 2 != self._peer_parity:
-            self.control.abort(ErrorCode.MALFORMED_BODY, f"transfer id {transfer_id} has the wrong parity")
-            return
-        early = self._guard(transfer_id, partial(self._inbound.open, transfer_id, header))
-        if not isinstance(early, list):
-            return  # refused (duplicate id, too many transfers, or by the allocator): reset sent
-        self._inbound_opened[transfer_id] = self._loop.time()
-        for chunk in early:
-            self._decode(transfer_id, chunk.chunk, chunk.payload, in_place=False)
-
-    def _on_chunk(self, event: ChunkReceived) -> None:
-        key = (event.transfer_id, event.chunk.seq)
-        if event.in_place:
-            self._spares.pop(key, None)
-        dest = self._guard(
-            event.transfer_id,
-            partial(self._inbound.destination, event.transfer_id, event.chunk, event.payload, event.in_place),
-        )
-        if isinstance(dest, memoryview):
-            self._decode(event.transfer_id, event.chunk, event.payload, in_place=event.in_place, dest=dest)
-        elif dest is None and not event.in_place and self._lent_elsewhere(key):
-            # The sender resent this chunk because it lost a connection; the receiving end of that
-            # connection may not have noticed yet and still holds the slot, half written.
-            self._spares[key] = event
-
-    def _lent_elsewhere(self, key: tuple[int, int]) -> bool:
-        for proto in self.data:
-            lent = proto.conn.lent_chunk
-            if lent is not None and (lent[0], lent[1].seq) == key:
-                return True
-        return False
-
-    def _decode(
-        self,
-        transfer_id: int,
-        chunk: ChunkHeader,
-        payload: memoryview,
-        *,
-        in_place: bool,
-        dest: memoryview | None = None,
-    ) -> None:
-        if dest is None:
-            dest = self._guard(
-                transfer_id, partial(self._inbound.destination, transfer_id, chunk, payload, False)
-            )
-            if not isinstance(dest, memoryview):
-                return
+    def _decode(self, action: Decode) -> None:
+        chunk = action.chunk
         if chunk.codec is Codec.NONE:
             # Verifying a checksum runs at memory speed: cheaper inline than a thread hop.
             try:
-                codecs.decompress_into(chunk, payload, dest, in_place=in_place)
+                codecs.decompress_into(chunk, action.payload, action.dest, in_place=action.in_place)
             except RemoteProtocolError as exc:
-                self._chunk_failed(transfer_id, chunk, exc)
+                self._execute(self.core.chunk_failed(action.transfer_id, chunk, exc))
                 return
-            self._verified(transfer_id, chunk)
+            self._execute(self.core.chunk_verified(action.transfer_id, chunk))
             return
         self._pending_decodes += 1
         self.decodes_idle.clear()
         if self._pending_decodes >= self.options.max_pending_decodes and not self._reading_paused:
             self._set_reading(paused=True)
-        future = self._loop.run_in_executor(self._executor, codecs.decompress_into, chunk, payload, dest)
-        future.add_done_callback(partial(self._decoded, transfer_id, chunk))
+        future = self._loop.run_in_executor(
+            self._executor, codecs.decompress_into, chunk, action.payload, action.dest
+        )
+        future.add_done_callback(lambda done: self._decoded(action.transfer_id, chunk, done))
 
     def _decoded(self, transfer_id: int, chunk: ChunkHeader, future: asyncio.Future[None]) -> None:
         self._pending_decodes -= 1
@@ -518,63 +440,13 @@ class Session:
         if future.cancelled():
             return
         exc = future.exception()  # retrieved even when moot, or asyncio logs it as never retrieved
-        if self.closed.is_set():
-            return
         if isinstance(exc, RemoteProtocolError):
-            self._chunk_failed(transfer_id, chunk, exc)
+            self._execute(self.core.chunk_failed(transfer_id, chunk, exc))
         elif exc is not None:
-            self._reset_inbound(transfer_id, RemoteProtocolError(ErrorCode.INTERNAL, repr(exc)))
+            internal = RemoteProtocolError(ErrorCode.INTERNAL, repr(exc))
+            self._execute(self.core.chunk_failed(transfer_id, chunk, internal))
         else:
-            self._verified(transfer_id, chunk)
-
-    def _chunk_failed(self, transfer_id: int, chunk: ChunkHeader, exc: RemoteProtocolError) -> None:
-        """A chunk did not decode or verify. Damaged on the way, it is asked for again where the
-        peer resends chunks (CHUNK_RESEND, within the transfer's allowance); otherwise, or past
-        that, the transfer is reset."""
-        if (
-            exc.code in DAMAGED_CHUNK_CODES
-            and self._peer_resends
-            and self.control.is_open
-            and self._inbound.chunk_damaged(transfer_id, chunk)
-        ):
-            self._peer_error(f"transfer {transfer_id}", exc)
-            self.chunks_asked_again += 1
-            self.control.reply(ChunkResend(chunk.seq), transfer_id)
-            return
-        self._reset_inbound(transfer_id, exc)
-
-    def _verified(self, transfer_id: int, chunk: ChunkHeader) -> None:
-        self._guard(transfer_id, partial(self._inbound.chunk_verified, transfer_id, chunk))
-
-    def _guard(self, transfer_id: int, action: partial[object]) -> object:
-        """Run one step of an inbound transfer; a protocol error voids that transfer only.
-
-        Returns the action's result (delivering a completed fragment), or False after an error.
-        """
-        try:
-            result = action()
-        except RemoteProtocolError as exc:
-            self._reset_inbound(transfer_id, exc)
-            return False
-        if isinstance(result, FragmentAssembled):
-            self._deliver(result)
-        return result
-
-    def _reset_inbound(self, transfer_id: int, exc: RemoteProtocolError) -> None:
-        self._peer_error(f"transfer {transfer_id}", exc)
-        self._inbound_failed(self._inbound.reset(transfer_id))
-        self._inbound_opened.pop(transfer_id, None)
-        self._drop_spares(transfer_id)
-        if self.control.is_open:
-            self.control.reply(StreamReset(int(exc.code), exc.message), transfer_id)
-
-    def _deliver(self, done: FragmentAssembled) -> None:
-        self._inbound_opened.pop(done.transfer_id, None)
-        self._drop_spares(done.transfer_id)
-        if self.control.is_open:
-            self.control.reply(FragmentAck(), done.transfer_id)
-        self.bytes_payload_received += done.header.raw_bytes
-        self._queue(FragmentReceived(done.transfer_id, done.header, done.buffer))
+            self._execute(self.core.chunk_verified(transfer_id, chunk))
 
     def _queue(self, item: Incoming) -> None:
         self._incoming.append(item)
@@ -604,36 +476,16 @@ class Session:
                 proto.abort(ErrorCode.TIMEOUT, f"peer silent for {quiet_s:.0f} s")
             elif quiet_s > self.options.ping_interval_s:
                 proto.send(Ping(next(self._ping_seq)))
-        for transfer_id, opened in list(self._inbound_opened.items()):
-            if now - opened > self.options.transfer_timeout_s:
-                self._reset_inbound(
-                    transfer_id, RemoteProtocolError(ErrorCode.TIMEOUT, "transfer not completed in time")
-                )
+        self._execute(self.core.expire(now, self.options.transfer_timeout_s))
         self._timer = self._loop.call_later(self.options.ping_interval_s, self._keepalive)
-
-    def _drop_spares(self, transfer_id: int) -> None:
-        if self._spares:
-            for key in [k for k in self._spares if k[0] == transfer_id]:
-                del self._spares[key]
 
     def _on_data_lost(self, proto: FrameProtocol, exc: BaseException | None) -> None:
         self._peer_error("data connection", exc)
         if proto in self.data:
             self.data.remove(proto)
-        lent = proto.conn.lent_chunk
-        if lent is not None:
-            # The connection died in the middle of a chunk it was writing into its destination:
-            # free that slot for the copy the sender resends, or use the copy if it came first.
-            transfer_id, chunk = lent
-            self._inbound.chunk_abandoned(transfer_id, chunk)
-            spare = self._spares.pop((transfer_id, chunk.seq), None)
-            if spare is not None:
-                self._on_chunk(spare)
-        for send in self._outbound.values():
-            lost = send.out.connection_lost(proto.index)
-            if lost:
-                send.resend.extend(lost)
-                send.wake.set()
+        # The connection may have died in the middle of a chunk it was reading into its
+        # destination (lent_chunk): the core frees that slot for the copy the sender resends.
+        self._execute(self.core.data_lost(proto.index, proto.conn.lent_chunk))
 
     def _on_control_lost(self, proto: FrameProtocol, exc: BaseException | None) -> None:
         self._peer_error("control connection", exc)
@@ -646,11 +498,7 @@ class Session:
         self.closed.set()
         self._wakeup.set()
         self._timer.cancel()
-        for send in self._outbound.values():
-            send.error = SessionClosed(reason)
-            send.wake.set()
-        for opened in self._inbound.reset_all():
-            self._inbound_failed(opened)
+        self._execute(self.core.close(reason))
         for proto in [*self.data, self.control]:
             if proto.is_open:
                 proto.go_away(reason)
@@ -660,17 +508,8 @@ class Session:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
     def _peer_error(self, where: str, exc: BaseException | None) -> None:
-        # Our own give-ups (deadlines, an internal error) are not the peer's input failing a check.
-        if (
-            isinstance(exc, RemoteProtocolError)
-            and exc.code not in (ErrorCode.INTERNAL, ErrorCode.TIMEOUT)
-            and self.on_peer_error is not None
-        ):
+        if self.on_peer_error is not None and isinstance(exc, RemoteProtocolError) and blames_peer(exc):
             self.on_peer_error(where, exc)
-
-    def _inbound_failed(self, cut: CutShort | None) -> None:
-        if cut is not None and self.on_inbound_failed is not None:
-            self.on_inbound_failed(cut)
 
     def _check_open(self) -> None:
         if self.closed.is_set():

@@ -11,7 +11,8 @@ same size however many transfers it carries. OutboundTransfer remembers which co
 which chunk until the receiver acknowledges, so a lost connection's chunks can be resent on the
 survivors. A chunk that arrives damaged (its checksum or its decoding fails) is asked for again
 (CHUNK_RESEND, protocol/SPEC.md §5.12) a bounded number of times per transfer, so one flipped bit
-costs one chunk, not the whole transfer. Pure bookkeeping: no asyncio, socket, torch or logging.
+costs one chunk, not the whole transfer. Pure bookkeeping, which SessionCore (session.py) consults
+to decide: no asyncio, socket, torch or logging.
 """
 
 from __future__ import annotations

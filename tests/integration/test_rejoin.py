@@ -250,7 +250,7 @@ def test_a_push_cut_short_is_resumed_without_the_chunks_the_syncer_holds(tmp_pat
         )  # fmt: skip
         # Header and chunks 0-3 on the control connection (streams=0: one connection, so the
         # syncer reads them in this order before the session ends), then the session is lost.
-        transfer_id = next(first._transfer_ids)
+        transfer_id, _ = first.core.start_send(header, None)
         first.control.send(header, transfer_id)
         for seq in range(4):
             raw = gradient[seq * header.chunk_bytes : (seq + 1) * header.chunk_bytes]

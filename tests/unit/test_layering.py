@@ -7,7 +7,10 @@ DEPENDS_ON lists, and the rules below hold of that table itself, so loosening on
 
 wire and outer import nothing of the project; transport never imports the syncer or the learner;
 the syncer and the learner never import each other (what both need is in model/); nothing imports
-tests."""
+tests.
+
+Beside dilocod, the repository's other top-level package: devkit (what the tests and the benchmarks
+share) may import dilocod and nothing else of the repository; dilocod never imports devkit."""
 
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[2] / "dilocod"
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "dilocod"
 
 #: Each part of the package (a subpackage, or a top-level module by its name) and the other parts
 #: it may import.
@@ -57,8 +61,16 @@ def part_of(path: Path) -> str:
     return first.removesuffix(".py")
 
 
+#: The repository's top-level packages and directories of Python, and which of them each package may
+#: import (dilocod's own parts are checked against DEPENDS_ON).
+REPOSITORY: dict[str, set[str]] = {"dilocod": set(), "devkit": {"dilocod"}, "tests": set(), "bench": set()}
+#: The parts an import of one of the repository's other top-level names counts as.
+OUTSIDE = {name for name in REPOSITORY if name != "dilocod"}
+
+
 def imported_parts(path: Path) -> set[str]:
-    """The parts of dilocod a module imports ("__init__" for `dilocod` itself), and "tests"."""
+    """The parts of dilocod a module imports ("__init__" for `dilocod` itself), and the repository's
+    other top-level names it imports ("tests", "devkit", "bench")."""
     parts: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         names: list[str] = []
@@ -72,8 +84,8 @@ def imported_parts(path: Path) -> set[str]:
             top, _, rest = name.partition(".")
             if top == "dilocod":
                 parts.add(rest.split(".")[0] if rest else "__init__")
-            elif top == "tests":
-                parts.add("tests")
+            elif top in OUTSIDE:
+                parts.add(top)
     return parts
 
 
@@ -95,7 +107,23 @@ def test_the_rules_hold_of_the_table() -> None:
     assert DEPENDS_ON["wire"] == set() and DEPENDS_ON["outer"] == set()
     assert not DEPENDS_ON["transport"] & {"syncer", "learner"}
     assert "learner" not in DEPENDS_ON["syncer"] and "syncer" not in DEPENDS_ON["learner"]
-    assert all("tests" not in allowed for allowed in DEPENDS_ON.values())
+    assert all(not allowed & OUTSIDE for allowed in DEPENDS_ON.values())
+    assert REPOSITORY["dilocod"] == set() and REPOSITORY["devkit"] == {"dilocod"}
+
+
+DEVKIT_MODULES = sorted((ROOT / "devkit").rglob("*.py"))
+
+
+def imported_top_level(path: Path) -> set[str]:
+    """The repository's top-level names a module imports (relative imports stay in its own)."""
+    parts = imported_parts(path)
+    return {part for part in parts if part in OUTSIDE} | ({"dilocod"} if parts - OUTSIDE else set())
+
+
+@pytest.mark.parametrize("path", DEVKIT_MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_devkit_imports_dilocod_and_nothing_else_of_the_repository(path: Path) -> None:
+    beyond = imported_top_level(path) - {"devkit"} - REPOSITORY["devkit"]
+    assert not beyond, f"{path.relative_to(ROOT)} imports {sorted(beyond)}"
 
 
 def test_what_the_table_allows_is_acyclic() -> None:
@@ -115,5 +143,8 @@ def test_what_the_table_allows_is_acyclic() -> None:
 
 def test_the_check_sees_imports_inside_functions(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
-    module.write_text("def f():\n    from dilocod.learner.link import Link\n    import tests.x\n")
-    assert imported_parts(module) == {"learner", "tests"}
+    module.write_text(
+        "def f():\n    from dilocod.learner.link import Link\n    import tests.x\n    from devkit import y\n"
+    )
+    assert imported_parts(module) == {"learner", "tests", "devkit"}
+    assert imported_top_level(module) == {"dilocod", "tests", "devkit"}

@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import learner_overhead as lo  # bench/learner_overhead.py: run as python bench/<script>.py
-from machine import machine_facts
+
+from devkit.machine import machine_facts
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "boundary_profile.json"
 

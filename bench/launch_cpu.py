@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import learner_overhead as lo  # bench/learner_overhead.py: run as python bench/<script>.py
-from machine import machine_facts
+
+from devkit.machine import machine_facts
 
 _ENTRY = lo.ENTRY_MODULE
 #: kind -> (the CPU it starts on, the program it runs)

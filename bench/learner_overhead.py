@@ -86,8 +86,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from machine import machine_facts  # bench/machine.py: run as python bench/<script>.py
-
+from devkit.machine import machine_facts
 from dilocod.ops.processes import read_ready_line
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,7 +10,8 @@ the syncer and the learner never import each other (what both need is in model/)
 tests.
 
 Beside dilocod, the repository's other top-level package: devkit (what the tests and the benchmarks
-share) may import dilocod and nothing else of the repository; dilocod never imports devkit."""
+share) may import dilocod and nothing else of the repository; dilocod never imports devkit; no test
+module and no bench script imports another (what they share is in devkit)."""
 
 from __future__ import annotations
 
@@ -141,6 +142,33 @@ def test_what_the_table_allows_is_acyclic() -> None:
         visit(part, ())
 
 
+def absolute_imports(path: Path) -> set[str]:
+    """The top-level names of every absolute import in a module."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.partition(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names.add((node.module or "").partition(".")[0])
+    return names
+
+
+def test_no_test_module_or_bench_script_is_imported() -> None:
+    """What tests and benchmarks share is in devkit: a test imports no other test module (nor a
+    relative one), and a bench script no other script (by its bare name, as `python bench/x.py`
+    would let it)."""
+    scripts = {path.stem for path in (ROOT / "bench").glob("*.py")}
+    wrong = []
+    for path in sorted([*(ROOT / "tests").rglob("*.py"), *(ROOT / "bench").glob("*.py")]):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        relative = any(isinstance(node, ast.ImportFrom) and node.level for node in ast.walk(tree))
+        siblings = scripts if path.parent.name == "bench" else set()  # a test may import stdlib codecs
+        beyond = absolute_imports(path) & ({"tests", "bench"} | siblings)
+        if relative or beyond:
+            wrong.append(f"{path.relative_to(ROOT)}: {sorted(beyond) or 'a relative import'}")
+    assert not wrong, "\n".join(wrong)
+
+
 def test_the_check_sees_imports_inside_functions(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
     module.write_text(
@@ -148,3 +176,4 @@ def test_the_check_sees_imports_inside_functions(tmp_path: Path) -> None:
     )
     assert imported_parts(module) == {"learner", "tests", "devkit"}
     assert imported_top_level(module) == {"dilocod", "tests", "devkit"}
+    assert absolute_imports(module) == {"dilocod", "tests", "devkit"}

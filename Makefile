@@ -34,7 +34,7 @@ endef
 # on the host's cores, not on what a second worker leaves of them), then the other slow tests in
 # parallel, test by test (the equivalence cases of one file spread over the workers).
 test: venv
-	$(BIN)/ruff check dilocod tests bench
+	$(BIN)/ruff check dilocod devkit tests bench
 	$(call run_pytest,-m "not slow" -n auto --maxprocesses 4 --dist worksteal)
 
 test-slow: venv
@@ -42,7 +42,7 @@ test-slow: venv
 	$(call run_pytest,-m slow --ignore=tests/chaos -n auto --maxprocesses 4 --dist worksteal)
 
 lint: venv
-	$(BIN)/ruff check dilocod tests bench
+	$(BIN)/ruff check dilocod devkit tests bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,6 +1,6 @@
 """Chaos against fault-free, on real processes: eval loss, goodput, faults, pushes, memory.
 
-Each repeat runs the harness of tests/chaos/ twice with the same length: a syncer and three learners
+Each repeat runs the chaos harness (devkit/chaos/) twice with the same length: a syncer and three learners
 (charlm, 4 fragments, H = 8, K = 1, checkpoints every 5 s) on loopback, once without faults and
 once under the chaos schedule (network faults through the fault proxy about every 1 s, learners
 killed with -9 mid-push and mid-update, SIGSTOP 3 s and 40 s, a 20 s partition, a 3 s sever, the
@@ -38,12 +38,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from devkit.chaos.harness import SURVIVOR, TAIL_CHECKPOINTS, ChaosPlan, ChaosReport, ChaosRun
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "chaos.json"
-# The harness lives with the chaos tests (tests/chaos/), which import it as a package.
-sys.path.insert(0, str(ROOT))
-
-from tests.chaos.harness import SURVIVOR, TAIL_CHECKPOINTS, ChaosPlan, ChaosReport, ChaosRun  # noqa: E402
 
 
 def row(report: ChaosReport) -> dict[str, Any]:

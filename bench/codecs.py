@@ -33,10 +33,10 @@ import lz4
 import torch
 import xxhash
 import zstandard
-from machine import machine_facts  # bench/machine.py: run as python bench/<script>.py
 from torch import nn
 from torch.nn import functional
 
+from devkit.machine import machine_facts
 from dilocod.wire import codecs
 from dilocod.wire.frames import CODEC_NAMES, ChunkHeader, Codec
 

@@ -14,7 +14,7 @@ import argparse
 import time
 from pathlib import Path
 
-from loopback_run import syncer_and_learners
+from devkit.loopback import syncer_and_learners
 
 SAMPLE_EVERY_S = 2.0
 

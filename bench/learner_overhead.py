@@ -51,7 +51,7 @@ since the syncer here shares the two cores with the learner, which it never does
   was allowed to run after its last step, and a run where that is not so is an error. Where a
   process builds its model matters here: the alone loop started on CPU 1 and moved to CPU 0 after
   building its model ran 1.7 to 3.2 % slower (medians of 20 rounds, two runs) than one started on
-  CPU 0 (bench/RESULTS.md §5, bench/launch_cpu.py).
+  CPU 0 (bench/notes/launch-cpu.md).
 
 With --beside (split only), each round also runs the alone process on CPU 0 while a fresh syncer
 and a learner whose steps only sleep (the entry's sleeping_step: the same fragments, pushes and
@@ -81,13 +81,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from machine import machine_facts  # bench/machine.py: run as python bench/<script>.py
-
+from devkit.machine import machine_facts
 from dilocod.ops.processes import read_ready_line
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -470,10 +469,8 @@ def run_under_dilocod(
     config: dict[str, Any],
     learner_cpus: set[int] | None,
     syncer_cpus: set[int] | None,
-    launch: Callable[[list[str]], list[str]] | None = None,
 ) -> dict[str, Any]:
-    """One `dilocod learner` run against a fresh syncer; `launch` may rewrite the learner's command
-    (bench/boundary_profile.py starts it through itself)."""
+    """One `dilocod learner` run against a fresh syncer."""
     write_config(entry_dir, {**config, "syncer_pid": None})  # the syncer reads it too
     syncer, port = start_syncer(entry_dir, work, syncer_cpus)
     learner: subprocess.Popen[bytes] | None = None
@@ -481,8 +478,6 @@ def run_under_dilocod(
         write_config(entry_dir, {**config, "syncer_pid": syncer.pid})
         command = learner_command(port, "bench", config["seed"])
         command += ["--steps", str(config["warmup"] + config["steps"]), "--network", config["network"]]
-        if launch is not None:
-            command = launch(command)
         with (work / "learner.stderr").open("wb") as stderr, children_on(learner_cpus):
             learner = subprocess.Popen(
                 command, env=child_env(entry_dir), stdout=subprocess.DEVNULL, stderr=stderr, cwd=entry_dir

@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from machine import machine_facts  # bench/machine.py: run as python bench/<script>.py
 
+from devkit.machine import machine_facts
 from dilocod.outer import (
     dequantize,
     merge_weights,

@@ -4,7 +4,7 @@ rejoin costs.
 A syncer and two learners (the chaos harness's settings: 4 fragments, H = 8, K = 1) on loopback,
 training charlm (fragments of one chunk), or with --layers N the scale entry's stack of N
 Linear(4096, 4096) layers (67 MB each: fragments of 16 chunks per layer) stepping every --step-s;
-each learner behind the fault proxy of tests/chaos/ in its relay mode: from the moment
+each learner behind the chaos fault proxy (devkit/chaos/proxy.py) in its relay mode: from the moment
 both learners are live, every frame either way has a chance of being cut halfway (its connection
 closes there) and every chunk a chance of a flipped byte, for the run's length. The same run
 without faults comes first, as the reference.
@@ -37,13 +37,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from devkit.chaos.harness import ChaosPlan, ChaosReport, ChaosRun
+from devkit.chaos.proxy import RelayFaults
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "reconnects.json"
-# The harness and its proxy live with the chaos tests (tests/chaos/), which import them as a package.
-sys.path.insert(0, str(ROOT))
-
-from tests.chaos.harness import ChaosPlan, ChaosReport, ChaosRun  # noqa: E402
-from tests.chaos.proxy import RelayFaults  # noqa: E402
 
 LEARNERS = ("a", "b")
 SCALE_ENTRY = "dilocod.examples.scale:make_trainer"

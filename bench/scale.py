@@ -4,7 +4,7 @@ For each run SIZE:LEARNERS:PUSHERS (default 64M:2:6, 256M:2:6 and 1B:1:1) the mo
 Linear(4096, 4096, bias=False) layers (dilocod/examples/scale.py: a step that sleeps --step-s and nudges
 one layer, so the cost measured is dilocod's), trained with the daemons' defaults (P = 24, H = 24,
 tau = 2, K = 1) by LEARNERS `dilocod learner` processes and PUSHERS scripted learners
-(bench/scale_pusher.py: the same Link, no model), so the syncer sees M = LEARNERS + PUSHERS.
+(devkit/scale_pusher.py: the same Link, no model), so the syncer sees M = LEARNERS + PUSHERS.
 
 Recorded per size, next to what bounds it in the same run:
 - peak memory (VmHWM and sampled PSS) of the syncer, each learner and its network process, and of
@@ -49,8 +49,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from machine import machine_facts  # bench/machine.py: run as python bench/<script>.py
 
+from devkit.machine import machine_facts
 from dilocod.examples.scale import WIDTH, build, memory_kib
 from dilocod.model.plan import plan_module
 
@@ -341,7 +341,8 @@ def run_size(run: Run, seconds: float, step_s: float, work: Path, network: str) 
             path = work / f"p{i}.log"
             command = [
                 sys.executable,
-                str(HERE / "scale_pusher.py"),
+                "-m",
+                "devkit.scale_pusher",
                 "--syncer",
                 address,
                 "--id",

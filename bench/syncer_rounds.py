@@ -69,8 +69,8 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
-from machine import machine_facts  # bench/machine.py: run as python bench/<script>.py
 
+from devkit.machine import machine_facts
 from dilocod.ops.processes import read_ready_line
 from dilocod.transport.endpoints import connect
 from dilocod.transport.errors import SessionClosed, TransferFailed

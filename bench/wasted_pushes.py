@@ -14,7 +14,7 @@ import json
 import subprocess
 import time
 
-from loopback_run import DILOCOD, syncer_and_learners
+from devkit.loopback import DILOCOD, syncer_and_learners
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Chaos on real processes: a syncer and three learners training the embedded model (charlm) on
 loopback for 100 s under a schedule of more than a hundred faults, against a fault-free run of the
-same length beside it (tests/chaos/harness.py runs both; tests/chaos/proxy.py is the network seam).
+same length beside it (devkit/chaos/harness.py runs both; devkit/chaos/proxy.py is the network seam).
 
 The faults: corrupt chunk payloads both ways, frames truncated on data and control connections,
 learners killed with -9 half way through a push and half way through an update (each restarted on
@@ -49,7 +49,7 @@ from pathlib import Path
 
 import pytest
 
-from .harness import LEARNERS, SURVIVOR, TAIL_CHECKPOINTS, ChaosPlan, ChaosReport, ChaosRun
+from devkit.chaos.harness import LEARNERS, SURVIVOR, TAIL_CHECKPOINTS, ChaosPlan, ChaosReport, ChaosRun
 
 #: 100 s (the harness's schedule is in fractions of it; the bench runs 150 s), with a network fault
 #: every 0.8 s on average (the bench's: 1 s): about 125 network faults, and the suite inside its time.

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from devkit.daemons import run_island, start_learner, start_syncer, syncer_status
+from devkit.device_standins import Mixed, layouts_of
 from dilocod.learner.bridge import Bridge, Snapshot
 from dilocod.learner.buffers import mapped_buffer
 from dilocod.learner.delta import fragment_delta_
 from dilocod.learner.device import CudaStreams, DeviceClock, DeviceCopier, HostCopier, HostPins
 from dilocod.outer import apply_update_
-from tests.integration.syncer_process import run_island, start_learner, start_syncer, syncer_status
-from tests.unit.test_learner_device import Mixed, layouts_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA on this host")
 

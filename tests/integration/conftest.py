@@ -17,10 +17,9 @@ from typing import Any, TypeVar
 
 import pytest
 
+from devkit.transfers import BenchServer, BenchServers, Fragments, TlsSet
 from dilocod.transport.credentials import TlsFiles
 from dilocod.transport.loop import loop_name, run
-
-from .support import BenchServer, BenchServers, Fragments, TlsSet
 
 T = TypeVar("T")
 #: Per test coroutine: far above what any of them needs, far below pytest-timeout's limit.

@@ -10,15 +10,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from dilocod.transport.endpoints import _dial, connect
-from dilocod.transport.errors import HandshakeFailed, TransferFailed
-from dilocod.transport.session import FragmentReceived, Session
-from dilocod.wire.codecs import chunk_checksums
-from dilocod.wire.errors import ErrorCode, RemoteProtocolError
-from dilocod.wire.limits import Limits, MiB
-from dilocod.wire.stream import StreamHeader
-
-from .support import (
+from devkit.transfers import (
     CHUNK_BYTES,
     TEST_OPTIONS,
     TRANSFER_TIMEOUT_S,
@@ -26,6 +18,13 @@ from .support import (
     in_process_server,
     wait_until,
 )
+from dilocod.transport.endpoints import _dial, connect
+from dilocod.transport.errors import HandshakeFailed, TransferFailed
+from dilocod.transport.session import FragmentReceived, Session
+from dilocod.wire.codecs import chunk_checksums
+from dilocod.wire.errors import ErrorCode, RemoteProtocolError
+from dilocod.wire.limits import Limits, MiB
+from dilocod.wire.stream import StreamHeader
 
 Arun = Callable[..., object]
 

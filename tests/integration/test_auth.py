@@ -26,6 +26,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from devkit.daemons import (
+    LEARNER_ENTRY,
+    dilocod_cli,
+    entry_model,
+    start_learner,
+    start_syncer,
+    write_entry,
+    write_learner_entry,
+)
+from devkit.scripted_learner import ScriptedLearner
+from devkit.transfers import RawReply, TlsSet, raw_exchange
 from dilocod.syncer import checkpoint
 from dilocod.syncer.checkpoint import MODEL_FILE, SyncerState, save_checkpoint
 from dilocod.transport.credentials import TlsFiles, client_context
@@ -37,18 +48,6 @@ from dilocod.wire.errors import ErrorCode
 from dilocod.wire.frames import FrameType, encode_header
 from dilocod.wire.manifest import ModelEntry, pack_manifest
 from dilocod.wire.messages import NONCE_BYTES, AuthResponse, Hello, Join, Message, PushHeader, encode_body
-
-from .learner_script import ScriptedLearner
-from .support import RawReply, TlsSet, raw_exchange
-from .syncer_process import (
-    LEARNER_ENTRY,
-    dilocod_cli,
-    entry_model,
-    start_learner,
-    start_syncer,
-    write_entry,
-    write_learner_entry,
-)
 
 DEADLINE_S = 120.0
 WRONG_SECRET = b"not-the-secret-" * 3

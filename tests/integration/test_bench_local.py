@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from devkit.host import need_root, need_tool
 from dilocod.linkbench.client import RunPlan
 from dilocod.linkbench.local import (
     EMULATOR_ENV,
@@ -32,8 +33,6 @@ from dilocod.linkbench.local import (
 from dilocod.linkbench.report import schema_errors
 from dilocod.ops.processes import read_ready_line, stop_process
 from dilocod.tuning.advice import load_advice
-
-from .host import need_root, need_tool
 
 RUN_TIMEOUT_S = 300
 DEADLINE_S = 120.0

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .syncer_process import LEARNER_ENTRY, write_learner_entry
+from devkit.daemons import LEARNER_ENTRY, write_learner_entry
 
 #: The demo runs for a fixed wall time; this covers the start, the evaluation and a 4x slower host.
 DEADLINE_S = 420.0

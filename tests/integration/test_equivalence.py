@@ -1,6 +1,6 @@
 """Lock-step dilocod equals its ancestors: real `dilocod syncer` and `dilocod learner` processes on
 loopback, two learners of unequal speed (one 3x slower), a small deterministic MLP trained by plain
-torch SGD, against references written in plain torch (tests/integration/diloco_reference.py):
+torch SGD, against references written in plain torch (devkit/diloco_reference.py):
 
 - DiLoCo (P = 1, tau = 0) and Streaming DiLoCo (P = 4, tau = 0 and tau = 2, overwrite and mix),
   each with `--merge mean` and with RDA, the syncer in lock-step (`--quorum all`); and tau = H/P,
@@ -27,10 +27,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dilocod.syncer.checkpoint import export_newest
-
-from . import equivalence_entry as problem
-from .diloco_reference import (
+from devkit import equivalence_entry as problem
+from devkit.daemons import DaemonProcess, start_learner, start_syncer, syncer_status
+from devkit.diloco_reference import (
     MERGES,
     Flags,
     Run,
@@ -40,7 +39,7 @@ from .diloco_reference import (
     reference_streaming,
     relative_error,
 )
-from .syncer_process import DaemonProcess, start_learner, start_syncer, syncer_status
+from dilocod.syncer.checkpoint import export_newest
 
 #: Float32 rounding, accumulated over a few rounds: the bound on every tensor's relative error.
 TOLERANCE = 1e-5

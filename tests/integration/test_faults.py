@@ -20,6 +20,27 @@ import msgpack
 import pytest
 import zstandard
 
+from devkit.transfers import (
+    CHUNK_BYTES,
+    REPLY_TIMEOUT_S,
+    SMALL_BUFFERS,
+    BenchServer,
+    BenchServers,
+    CoreClient,
+    EchoHandler,
+    Fragment,
+    Fragments,
+    RawReply,
+    TlsSet,
+    assert_echo_matches,
+    check_serves,
+    echo,
+    in_process_server,
+    kill_when_queued,
+    raw_exchange,
+    read_until_closed,
+    recv_fragment,
+)
 from dilocod.linkbench.serve import ECHO_ROUND
 from dilocod.transport import endpoints
 from dilocod.transport.credentials import client_context, server_context
@@ -61,28 +82,6 @@ from dilocod.wire.messages import (
     encode_body,
 )
 from dilocod.wire.stream import MIN_CHUNK_RESENDS
-
-from .support import (
-    CHUNK_BYTES,
-    REPLY_TIMEOUT_S,
-    SMALL_BUFFERS,
-    BenchServer,
-    BenchServers,
-    CoreClient,
-    EchoHandler,
-    Fragment,
-    Fragments,
-    RawReply,
-    TlsSet,
-    assert_echo_matches,
-    check_serves,
-    echo,
-    in_process_server,
-    kill_when_queued,
-    raw_exchange,
-    read_until_closed,
-    recv_fragment,
-)
 
 Arun = Callable[..., object]
 PUSH_BYTES = 64 * MiB

@@ -11,11 +11,10 @@ from dataclasses import dataclass
 
 from structlog.testing import capture_logs
 
+from devkit.transfers import REPLY_TIMEOUT_S, in_process_server, wait_until
 from dilocod.transport.endpoints import connect
 from dilocod.transport.session import Session
 from dilocod.wire.messages import Ping, StatusRequest
-
-from .support import REPLY_TIMEOUT_S, in_process_server, wait_until
 
 Arun = Callable[..., object]
 #: Far more departures than a leak could hide in; each costs one loopback session.

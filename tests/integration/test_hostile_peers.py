@@ -21,6 +21,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from devkit.daemons import (
+    DaemonProcess,
+    entry_model,
+    export_global_model,
+    start_syncer,
+    syncer_status,
+    write_entry,
+)
+from devkit.scripted_learner import ScriptedLearner
+from devkit.transfers import CoreClient
 from dilocod.outer.weights import MAX_WEIGHT_RATIO
 from dilocod.transport.endpoints import connect
 from dilocod.transport.errors import SessionClosed
@@ -30,17 +40,6 @@ from dilocod.wire.frames import ChunkHeader, Codec
 from dilocod.wire.limits import DEFAULT_LIMITS
 from dilocod.wire.manifest import ModelEntry
 from dilocod.wire.messages import Join, Ping, Plan, StatusRequest, StatusResponse, StepReport
-
-from .learner_script import ScriptedLearner
-from .support import CoreClient
-from .syncer_process import (
-    DaemonProcess,
-    entry_model,
-    export_global_model,
-    start_syncer,
-    syncer_status,
-    write_entry,
-)
 
 DEADLINE_S = 120.0
 FRAGMENTS = 4

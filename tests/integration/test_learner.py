@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from .syncer_process import (
+from devkit.daemons import (
     LEARNER_ENTRY,
     export_global_model,
     run_island,

@@ -14,6 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from devkit.daemons import (
+    LEARNER_ENTRY,
+    entry_model,
+    start_learner,
+    start_syncer,
+    write_entry,
+    write_learner_entry,
+)
 from dilocod.learner.state import learner_instance
 from dilocod.model.params import model_entries
 from dilocod.transport.endpoints import connect
@@ -23,15 +31,6 @@ from dilocod.transport.session import Session
 from dilocod.wire.errors import ErrorCode
 from dilocod.wire.manifest import ModelEntry
 from dilocod.wire.messages import Join, Plan
-
-from .syncer_process import (
-    LEARNER_ENTRY,
-    entry_model,
-    start_learner,
-    start_syncer,
-    write_entry,
-    write_learner_entry,
-)
 
 DEADLINE_S = 180.0
 SYNCER_ARGS = ("--fragments", "3", "--sync-every", "6", "--quorum", "1")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .syncer_process import LEARNER_ENTRY, start_learner, start_syncer, write_learner_entry
+from devkit.daemons import LEARNER_ENTRY, start_learner, start_syncer, write_learner_entry
 
 DEADLINE_S = 180.0
 SYNCER_ARGS = ("--fragments", "3", "--sync-every", "6", "--quorum", "1")

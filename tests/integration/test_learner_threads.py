@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .syncer_process import DaemonProcess, start_learner, write_learner_entry
+from devkit.daemons import DaemonProcess, start_learner, write_learner_entry
 
 DEADLINE_S = 180.0
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .syncer_process import DaemonProcess, start_learner, write_learner_entry
+from devkit.daemons import DaemonProcess, start_learner, write_learner_entry
 
 DEADLINE_S = 180.0
 EX_CONFIG = 78

@@ -11,9 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dilocod.outer.schedule import due_step
-
-from .syncer_process import (
+from devkit.daemons import (
     LEARNER_ENTRY,
     LEARNER_ENTRY_SOURCE,
     start_learner,
@@ -21,6 +19,7 @@ from .syncer_process import (
     syncer_status,
     write_learner_entry,
 )
+from dilocod.outer.schedule import due_step
 
 DEADLINE_S = 180.0
 FRAGMENTS = 2

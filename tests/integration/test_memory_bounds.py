@@ -36,8 +36,8 @@ from pathlib import Path
 
 import pytest
 
+from devkit.daemons import start_learner, start_syncer
 from dilocod.examples.scale import memory_kib
-from tests.integration.syncer_process import start_learner, start_syncer
 
 LAYERS = 4
 MODEL_BYTES = LAYERS * 4096 * 4096 * 4

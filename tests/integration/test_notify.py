@@ -24,16 +24,15 @@ from pathlib import Path
 
 import pytest
 
-from dilocod.learner.state import STATE_FILE, load_local_state
-from dilocod.syncer.checkpoint import load_latest_checkpoint
-
-from .syncer_process import (
+from devkit.daemons import (
     LEARNER_ENTRY,
     DaemonProcess,
     start_learner,
     start_syncer,
     write_learner_entry,
 )
+from dilocod.learner.state import STATE_FILE, load_local_state
+from dilocod.syncer.checkpoint import load_latest_checkpoint
 
 #: The watchdog timeout handed to the daemons: pings every 0.5 s.
 WATCHDOG_USEC = 1_000_000

@@ -14,6 +14,16 @@ import itertools
 from pathlib import Path
 from typing import Any
 
+from devkit.chaos.proxy import FaultProxy
+from devkit.daemons import (
+    LEARNER_ENTRY,
+    DaemonProcess,
+    entry_model,
+    start_learner,
+    start_syncer,
+    write_entry,
+    write_learner_entry,
+)
 from dilocod.config import Address
 from dilocod.ops.status import fetch_status
 from dilocod.transport.endpoints import connect
@@ -33,17 +43,6 @@ from dilocod.wire.messages import (
     chunk_bitmap,
 )
 from dilocod.wire.stream import Allocate, Resumed, StreamHeader
-from tests.chaos.proxy import FaultProxy
-
-from .syncer_process import (
-    LEARNER_ENTRY,
-    DaemonProcess,
-    entry_model,
-    start_learner,
-    start_syncer,
-    write_entry,
-    write_learner_entry,
-)
 
 DEADLINE_S = 120.0
 FRAGMENTS = 3

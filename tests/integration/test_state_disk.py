@@ -3,7 +3,7 @@ good local state, and saves again once there is room; a syncer serves on while i
 fail, and when its final checkpoint fails too it still says goodbye to its learners, leaves the
 previous checkpoint the newest, and exits with EX_STATE_NOT_SAVED (74).
 
-The disk is a small tmpfs, filled with one file (tests/integration/mounts.py; needs root). Every
+The disk is a small tmpfs, filled with one file (devkit/mounts.py; needs root). Every
 wait is on a log record, a status answer or a process exit, with a deadline.
 """
 
@@ -15,18 +15,17 @@ from typing import Any
 
 import pytest
 
-from dilocod.learner.state import INSTANCE_FILE, LOCK_FILE, STATE_FILE, load_local_state
-from dilocod.ops.statedir import EX_STATE_NOT_SAVED
-from dilocod.syncer.checkpoint import CHECKPOINTS_DIR, load_latest_checkpoint
-
-from .mounts import FILLER, fill, small_tmpfs
-from .syncer_process import (
+from devkit.daemons import (
     LEARNER_ENTRY,
     start_learner,
     start_syncer,
     syncer_status,
     write_learner_entry,
 )
+from devkit.mounts import FILLER, fill, small_tmpfs
+from dilocod.learner.state import INSTANCE_FILE, LOCK_FILE, STATE_FILE, load_local_state
+from dilocod.ops.statedir import EX_STATE_NOT_SAVED
+from dilocod.syncer.checkpoint import CHECKPOINTS_DIR, load_latest_checkpoint
 
 DEADLINE_S = 120.0
 #: Room for a few saves of the tests' tiny models (kilobytes each), filled up by the test.

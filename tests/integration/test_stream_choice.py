@@ -9,11 +9,10 @@ from collections.abc import Callable
 
 import pytest
 
+from devkit.transfers import in_process_server
 from dilocod.transport.endpoints import connect
 from dilocod.transport.session import Session
 from dilocod.tuning.streams import choose_streams
-
-from .support import in_process_server
 
 Arun = Callable[..., object]
 

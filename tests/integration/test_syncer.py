@@ -26,6 +26,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from devkit.daemons import (
+    dilocod_cli,
+    entry_model,
+    export_global_model,
+    start_syncer,
+    syncer_status,
+    write_entry,
+)
+from devkit.scripted_learner import ScriptedLearner
 from dilocod.outer import mean_merge, merge_weights, nesterov_step_
 from dilocod.outer.weights import bounded_merge_weights
 from dilocod.transport.endpoints import connect
@@ -34,16 +43,6 @@ from dilocod.transport.loop import run
 from dilocod.wire.errors import ErrorCode
 from dilocod.wire.manifest import ModelEntry, fragment_manifest
 from dilocod.wire.messages import Join, Plan, PushHeader, StatusRequest, StatusResponse
-
-from .learner_script import ScriptedLearner
-from .syncer_process import (
-    dilocod_cli,
-    entry_model,
-    export_global_model,
-    start_syncer,
-    syncer_status,
-    write_entry,
-)
 
 DEADLINE_S = 120.0
 
@@ -303,7 +302,6 @@ def test_killed_syncer_resumes_from_its_checkpoint(tmp_path: Path, entry_dir: Pa
         assert second.stop() == 0, second.stderr()
 
 
-LEARNER_SCRIPT = Path(__file__).with_name("learner_script.py")
 #: Rounds that must merge without a stopped learner before it is let go on.
 CLEAR_ROUNDS = 6
 SPEEDS = {"a": (0.02, 100), "b": (0.03, 200), "c": (0.04, 300)}  # step seconds, tokens per step
@@ -321,7 +319,15 @@ def test_a_stopped_learner_does_not_hold_k1_rounds_back(tmp_path: Path, entry_di
     learners: dict[str, subprocess.Popen[bytes]] = {}
     try:
         for name, (step_s, tokens) in SPEEDS.items():
-            command = [sys.executable, str(LEARNER_SCRIPT), "--port", str(syncer.port), "--id", name]
+            command = [
+                sys.executable,
+                "-m",
+                "devkit.scripted_learner",
+                "--port",
+                str(syncer.port),
+                "--id",
+                name,
+            ]
             command += ["--shapes", shapes, "--step-s", str(step_s), "--tokens", str(tokens)]
             with (tmp_path / f"{name}.stderr").open("wb") as stderr:
                 learners[name] = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from devkit.daemons import DaemonProcess, entry_model, start_syncer, write_entry
+from devkit.scripted_learner import ScriptedLearner
+from devkit.transfers import CoreClient
 from dilocod.transport.endpoints import connect
 from dilocod.transport.errors import TransferFailed
 from dilocod.transport.loop import run
@@ -21,10 +24,6 @@ from dilocod.wire.events import MessageReceived, PeerWentAway
 from dilocod.wire.frames import ChunkHeader, Codec
 from dilocod.wire.manifest import ModelEntry, pack_manifest
 from dilocod.wire.messages import Join, Plan, Pong, PushHeader
-
-from .learner_script import ScriptedLearner
-from .support import CoreClient
-from .syncer_process import DaemonProcess, entry_model, start_syncer, write_entry
 
 DEADLINE_S = 120.0
 CHUNK_BYTES = 64 * 1024

@@ -5,7 +5,7 @@ has), the example configurations load through dilocod's own loader, the sysctl f
 WAN needs, and the sysusers file is valid.
 
 The tests that run systemd-analyze skip without it, naming the package to install; .ci/run installs
-it and makes them required (tests/integration/host.py). The shipped units name the binary where a
+it and makes them required (devkit/host.py). The shipped units name the binary where a
 real install puts it (/opt/dilocod/venv/bin/dilocod); verify checks that ExecStart's binary exists
 and is executable, so it runs on copies whose ExecStart names this virtualenv's `dilocod` instead,
 nothing else changed.
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from devkit.host import need_tool
 from dilocod.cli import main as cli
 from dilocod.config import (
     EX_CONFIG,
@@ -33,8 +34,6 @@ from dilocod.config import (
 )
 from dilocod.learner.daemon import NETWORK_STOP_TIMEOUT_S
 from dilocod.transport.options import TransportOptions
-
-from .host import need_tool
 
 SYSTEMD = Path(__file__).resolve().parents[2] / "systemd"
 UNITS = ("dilocod-syncer.service", "dilocod-learner@.service")

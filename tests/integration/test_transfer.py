@@ -12,13 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from dilocod.transport.endpoints import connect
-from dilocod.transport.errors import TransferFailed
-from dilocod.wire.codecs import chunk_checksums
-from dilocod.wire.errors import ErrorCode
-from dilocod.wire.limits import KiB, MiB
-
-from .support import (
+from devkit.transfers import (
     CHUNK_BYTES,
     TRANSFER_TIMEOUT_S,
     BenchServer,
@@ -29,6 +23,11 @@ from .support import (
     recv_fragment,
     wire_bytes_sent,
 )
+from dilocod.transport.endpoints import connect
+from dilocod.transport.errors import TransferFailed
+from dilocod.wire.codecs import chunk_checksums
+from dilocod.wire.errors import ErrorCode
+from dilocod.wire.limits import KiB, MiB
 
 SIZES = [
     pytest.param(1 * KiB, id="1KiB"),

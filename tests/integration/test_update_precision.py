@@ -11,14 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from devkit.daemons import start_learner, start_syncer, syncer_status, write_learner_entry
 from dilocod.model.params import model_entries
 from dilocod.model.plan import plan_fragments
 from dilocod.precision import recast
 from dilocod.syncer.checkpoint import load_latest_checkpoint
 from dilocod.syncer.model import GlobalModel
 from dilocod.wire.codecs import checksum
-
-from .syncer_process import start_learner, start_syncer, syncer_status, write_learner_entry
 
 DEADLINE_S = 120.0
 FRAGMENTS = 2

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DESIGN = ROOT / "docs" / "design.md"
 CITED_AS = "docs/design.md"
 #: Where citations live (systemd/ and the README cite it too).
-SCANNED = ("dilocod", "tests", "bench", "protocol", "systemd", "README.md")
+SCANNED = ("dilocod", "devkit", "tests", "bench", "protocol", "systemd", "README.md")
 SUFFIXES = {".py", ".md", ".toml", ".txt", ".example", ".conf", ".service", ".sh", ".json"}
 SKIPPED_DIRS = {"__pycache__", ".pytest_cache", ".hypothesis"}
 

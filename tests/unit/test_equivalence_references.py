@@ -1,4 +1,4 @@
-"""The references of the equivalence tests (tests/integration/diloco_reference.py) checked against
+"""The references of the equivalence tests (devkit/diloco_reference.py) checked against
 each other and against hand computations, without processes: the fragment plan and the schedule
 as docs/design.md states them, RDA and the weighted mean on inputs whose answer is known, two
 Nesterov steps by hand, Streaming DiLoCo with one fragment equal to DiLoCo, and the step at which
@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from tests.integration import equivalence_entry as problem
-from tests.integration.diloco_reference import (
+from devkit import equivalence_entry as problem
+from devkit.diloco_reference import (
     MERGES,
     Flags,
     OuterNesterov,

@@ -1,8 +1,6 @@
-"""bench/goodput.py: the goodput simulation's command line, trends, and agreement with its closed forms.
-
-Imports the simulator from bench/ (not a package; put on sys.path here). Short horizons and few
-seeds keep the file fast; tolerances are a few standard errors of the seeds' mean plus the closed
-forms' own approximation where they have one.
+"""The goodput simulation (devkit/goodput.py): its command line (bench/goodput.py), trends, and
+agreement with its closed forms. Short horizons and few seeds keep the file fast; tolerances are a
+few standard errors of the seeds' mean plus the closed forms' own approximation where they have one.
 """
 
 from __future__ import annotations
@@ -19,10 +17,9 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))
+from devkit import goodput
 
-import goodput  # noqa: E402
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 DAY_S = goodput.SECONDS_PER_DAY
 P = goodput.Params()

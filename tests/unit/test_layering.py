@@ -7,7 +7,11 @@ DEPENDS_ON lists, and the rules below hold of that table itself, so loosening on
 
 wire and outer import nothing of the project; transport never imports the syncer or the learner;
 the syncer and the learner never import each other (what both need is in model/); nothing imports
-tests."""
+tests.
+
+Beside dilocod, the repository's other top-level package: devkit (what the tests and the benchmarks
+share) may import dilocod and nothing else of the repository; dilocod never imports devkit; no test
+module and no bench script imports another (what they share is in devkit)."""
 
 from __future__ import annotations
 
@@ -16,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[2] / "dilocod"
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "dilocod"
 
 #: Each part of the package (a subpackage, or a top-level module by its name) and the other parts
 #: it may import.
@@ -58,8 +63,16 @@ def part_of(path: Path) -> str:
     return first.removesuffix(".py")
 
 
+#: The repository's top-level packages and directories of Python, and which of them each package may
+#: import (dilocod's own parts are checked against DEPENDS_ON).
+REPOSITORY: dict[str, set[str]] = {"dilocod": set(), "devkit": {"dilocod"}, "tests": set(), "bench": set()}
+#: The parts an import of one of the repository's other top-level names counts as.
+OUTSIDE = {name for name in REPOSITORY if name != "dilocod"}
+
+
 def imported_parts(path: Path) -> set[str]:
-    """The parts of dilocod a module imports ("__init__" for `dilocod` itself), and "tests"."""
+    """The parts of dilocod a module imports ("__init__" for `dilocod` itself), and the repository's
+    other top-level names it imports ("tests", "devkit", "bench")."""
     parts: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         names: list[str] = []
@@ -73,8 +86,8 @@ def imported_parts(path: Path) -> set[str]:
             top, _, rest = name.partition(".")
             if top == "dilocod":
                 parts.add(rest.split(".")[0] if rest else "__init__")
-            elif top == "tests":
-                parts.add("tests")
+            elif top in OUTSIDE:
+                parts.add(top)
     return parts
 
 
@@ -96,7 +109,23 @@ def test_the_rules_hold_of_the_table() -> None:
     assert DEPENDS_ON["wire"] == set() and DEPENDS_ON["outer"] == set()
     assert not DEPENDS_ON["transport"] & {"syncer", "learner"}
     assert "learner" not in DEPENDS_ON["syncer"] and "syncer" not in DEPENDS_ON["learner"]
-    assert all("tests" not in allowed for allowed in DEPENDS_ON.values())
+    assert all(not allowed & OUTSIDE for allowed in DEPENDS_ON.values())
+    assert REPOSITORY["dilocod"] == set() and REPOSITORY["devkit"] == {"dilocod"}
+
+
+DEVKIT_MODULES = sorted((ROOT / "devkit").rglob("*.py"))
+
+
+def imported_top_level(path: Path) -> set[str]:
+    """The repository's top-level names a module imports (relative imports stay in its own)."""
+    parts = imported_parts(path)
+    return {part for part in parts if part in OUTSIDE} | ({"dilocod"} if parts - OUTSIDE else set())
+
+
+@pytest.mark.parametrize("path", DEVKIT_MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_devkit_imports_dilocod_and_nothing_else_of_the_repository(path: Path) -> None:
+    beyond = imported_top_level(path) - {"devkit"} - REPOSITORY["devkit"]
+    assert not beyond, f"{path.relative_to(ROOT)} imports {sorted(beyond)}"
 
 
 def test_what_the_table_allows_is_acyclic() -> None:
@@ -114,7 +143,38 @@ def test_what_the_table_allows_is_acyclic() -> None:
         visit(part, ())
 
 
+def absolute_imports(path: Path) -> set[str]:
+    """The top-level names of every absolute import in a module."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.partition(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names.add((node.module or "").partition(".")[0])
+    return names
+
+
+def test_no_test_module_or_bench_script_is_imported() -> None:
+    """What tests and benchmarks share is in devkit: a test imports no other test module (nor a
+    relative one), and a bench script no other script (by its bare name, as `python bench/x.py`
+    would let it)."""
+    scripts = {path.stem for path in (ROOT / "bench").glob("*.py")}
+    wrong = []
+    for path in sorted([*(ROOT / "tests").rglob("*.py"), *(ROOT / "bench").glob("*.py")]):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        relative = any(isinstance(node, ast.ImportFrom) and node.level for node in ast.walk(tree))
+        siblings = scripts if path.parent.name == "bench" else set()  # a test may import stdlib codecs
+        beyond = absolute_imports(path) & ({"tests", "bench"} | siblings)
+        if relative or beyond:
+            wrong.append(f"{path.relative_to(ROOT)}: {sorted(beyond) or 'a relative import'}")
+    assert not wrong, "\n".join(wrong)
+
+
 def test_the_check_sees_imports_inside_functions(tmp_path: Path) -> None:
     module = tmp_path / "m.py"
-    module.write_text("def f():\n    from dilocod.learner.link import Link\n    import tests.x\n")
-    assert imported_parts(module) == {"learner", "tests"}
+    module.write_text(
+        "def f():\n    from dilocod.learner.link import Link\n    import tests.x\n    from devkit import y\n"
+    )
+    assert imported_parts(module) == {"learner", "tests", "devkit"}
+    assert imported_top_level(module) == {"dilocod", "tests", "devkit"}
+    assert absolute_imports(module) == {"dilocod", "tests", "devkit"}

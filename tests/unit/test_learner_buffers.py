@@ -13,10 +13,10 @@ import threading
 
 import pytest
 
+from devkit.bridge_child import ChildOnThread, drain_snapshots, receive_update, take_until
 from dilocod.learner.bridge import Adopt, Bridge, Snapshot
 from dilocod.learner.buffers import BufferOwnershipError, BufferPool
 from dilocod.learner.netproc import ProcessBridge
-from tests.unit.test_learner_netproc import _Child, _drain_snapshots, _receive, _take_until
 
 SIZE = 256
 FRAGMENTS = 6
@@ -133,31 +133,31 @@ def test_across_processes_an_anchor_given_back_while_a_push_reads_it_is_kept() -
     (the runtime applied a newer version at that boundary): the child holds it for the push,
     and an update that arrives meanwhile lands in another buffer."""
     parent = ProcessBridge()
-    child = _Child(parent._child_data, parent.counts)
+    child = ChildOnThread(parent._child_data, parent.counts)
     try:
-        _receive(child, 0, 1, bytes([1]) * SIZE, heal=True)
-        (heal,) = _take_until(parent, lambda i: i.updates).updates  # type: ignore[attr-defined]
+        receive_update(child, 0, 1, bytes([1]) * SIZE, heal=True)
+        (heal,) = take_until(parent, lambda i: i.updates).updates
         theta = parent.snapshot_buffer(SIZE)
         theta[:] = bytes([9]) * SIZE
         parent.send_snapshot(Snapshot(0, 0, 1, 1, 1, theta, heal.buffer), wake=False)
-        _receive(child, 0, 2, bytes([2]) * SIZE)
-        (newer,) = _take_until(parent, lambda i: i.updates).updates  # type: ignore[attr-defined]
+        receive_update(child, 0, 2, bytes([2]) * SIZE)
+        (newer,) = take_until(parent, lambda i: i.updates).updates
         parent.release(heal.buffer)  # applied version 2: version 1 goes back with this outbox
         parent.flush()
-        (push,) = _drain_snapshots(child, 1)
+        (push,) = drain_snapshots(child, 1)
         assert bytes(push.anchor) == bytes([1]) * SIZE
-        _take_until(parent, lambda _: not parent._holders.get(1))
+        take_until(parent, lambda _: not parent._holders.get(1))
         anchor_id = child.call(lambda: child.bridge.pool.id_of(push.anchor))
         for _ in range(100):  # the release has reached the child: only the push holds it now
             if child.call(lambda: child.bridge.pool.holders(anchor_id)) == 1:
                 break
             threading.Event().wait(0.05)
         assert child.call(lambda: child.bridge.pool.holders(anchor_id)) == 1
-        landed = _receive(child, 1, 1, bytes([3]) * SIZE)
+        landed = receive_update(child, 1, 1, bytes([3]) * SIZE)
         assert landed is not push.anchor
         child.call(child.bridge.snapshot_done, push)
         assert child.call(lambda: child.bridge.pool.holders(anchor_id)) == 0
-        assert _receive(child, 2, 1, bytes([4]) * SIZE) is push.anchor  # free now: reused
+        assert receive_update(child, 2, 1, bytes([4]) * SIZE) is push.anchor  # free now: reused
         assert bytes(newer.buffer) == bytes([2]) * SIZE
     finally:
         parent.close()

@@ -1,5 +1,5 @@
 """The learner's device path (dilocod.learner.device) on the CPU: the CUDA path's bookkeeping driven
-through CPU stand-ins of its streams, events and page-locking (tests/unit/device_standins.py), its
+through CPU stand-ins of its streams, events and page-locking (devkit/device_standins.py), its
 copies checked byte for byte against the CPU path's, and the thread-mode bridge never reusing a
 buffer a device copy still writes. tests/gpu/ runs the same path on a real GPU."""
 
@@ -10,8 +10,8 @@ import mmap
 
 import pytest
 import torch
-from torch import nn
 
+from devkit.device_standins import Mixed, StandInEvent, StandInStreams, layouts_of, recording_pins
 from dilocod.learner.bridge import Bridge, Snapshot
 from dilocod.learner.delta import fragment_delta_
 from dilocod.learner.device import (
@@ -25,10 +25,7 @@ from dilocod.learner.device import (
     HostCopier,
     HostPins,
 )
-from dilocod.learner.layout import FragmentLayout, layouts_for
-from dilocod.model.params import model_entries
-from dilocod.wire.messages import Plan
-from tests.unit.device_standins import StandInEvent, StandInStreams, recording_pins
+from dilocod.learner.layout import FragmentLayout
 
 CPU = torch.device("cpu")
 
@@ -112,26 +109,6 @@ def test_a_buffer_a_copy_reads_goes_back_only_once_the_copy_has_completed() -> N
 
 
 # ---------------------------------------------------------------------------- copies
-
-
-class Mixed(nn.Module):
-    """Parameters of three dtypes, one cut into row slices by the plan (tests/gpu/ makes it `scale`
-    times larger in every dimension)."""
-
-    def __init__(self, scale: int = 1) -> None:
-        super().__init__()
-        self.scale = scale
-        generator = torch.Generator().manual_seed(7)
-        self.wide = nn.Parameter(torch.randn(6 * scale, 5 * scale, generator=generator))
-        self.narrow = nn.Parameter(torch.randn(3 * scale, 4 * scale, generator=generator).to(torch.bfloat16))
-        self.bias = nn.Parameter(torch.randn(7 * scale, generator=generator).to(torch.float16))
-
-
-def layouts_of(model: Mixed) -> list[FragmentLayout]:
-    n = model.scale
-    fragments = ((("wide", 0, 4 * n),), (("wide", 4 * n, 6 * n), ("narrow", 0, 3 * n), ("bias", 0, 7 * n)))
-    plan = Plan("inc", model_entries(model), fragments, (0, 0), sync_every=2, overlap=1, quorum=1)
-    return layouts_for(plan, model)
 
 
 def mixed_layouts() -> tuple[Mixed, list[FragmentLayout]]:

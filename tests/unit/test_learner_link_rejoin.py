@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 
+from devkit.links import new_link
 from dilocod.learner.bridge import Bridge, LostPush, Snapshot
 from dilocod.learner.link import PUSH_ATTEMPTS, Link
 from dilocod.transport.errors import SessionClosed, TransferFailed
@@ -28,7 +29,6 @@ from dilocod.wire.messages import (
     chunk_bitmap,
 )
 from dilocod.wire.stream import CutShort, Resumed
-from tests.unit.test_update_precision import new_link
 
 CHUNK = 1 << 20
 

@@ -17,6 +17,7 @@ import msgpack
 import pytest
 import structlog
 
+from devkit.bridge_child import DEADLINE_S, ChildOnThread, drain_snapshots, receive_update, take_until
 from dilocod.learner import netproc
 from dilocod.learner.arena import ALIGN, Arena, arena_size
 from dilocod.learner.bridge import Adopt, LostPush, Snapshot, StepReportItem, newer_update
@@ -35,7 +36,8 @@ from dilocod.learner.netproc import (
 from dilocod.wire.manifest import ModelEntry, TensorEntry
 from dilocod.wire.messages import FragmentRequest, Plan
 
-DEADLINE_S = 10.0
+#: The training side and the network process's side of one boundary, both in this process.
+Pair = tuple[ProcessBridge, ChildOnThread]
 
 
 def test_datagrams_carry_messages_and_descriptors() -> None:
@@ -111,46 +113,10 @@ def test_lent_buffers_are_shared_and_reused() -> None:
         mapper.view(999, 1)
 
 
-class _Child:
-    """A ChildBridge on its own event loop thread, as in the network process (without a Link)."""
-
-    def __init__(self, sock: socket.socket, counts: SentCounts, arena: Arena | None = None) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.bridge = ChildBridge(Channel(sock, counts, SentCounts.CHILD), arena)
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.call(self.bridge.start, self.loop, [])
-
-    def call(self, fn, *args):  # type: ignore[no-untyped-def]
-        done = threading.Event()
-        out = []
-
-        def run() -> None:
-            out.append(fn(*args))
-            done.set()
-
-        self.loop.call_soon_threadsafe(run)
-        assert done.wait(DEADLINE_S)
-        return out[0]
-
-    def forwarded(self) -> None:
-        """Until what was posted has been forwarded: a forward due now runs on a later turn of the
-        loop than the post, possibly after a callback queued behind the post."""
-        for _ in range(100):
-            if self.call(lambda: self.bridge._forward_handle is None):
-                return
-            threading.Event().wait(DEADLINE_S / 100)
-        raise AssertionError("the child did not forward what was posted in time")
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(DEADLINE_S)
-
-
 @pytest.fixture
-def pair() -> Iterator[tuple[ProcessBridge, _Child]]:
+def pair() -> Iterator[Pair]:
     parent = ProcessBridge()
-    child = _Child(parent._child_data, parent.counts)
+    child = ChildOnThread(parent._child_data, parent.counts)
     try:
         yield parent, child
     finally:
@@ -158,31 +124,7 @@ def pair() -> Iterator[tuple[ProcessBridge, _Child]]:
         child.close()
 
 
-def _receive(child: _Child, fragment: int, version: int, data: bytes, heal: bool = False) -> memoryview:
-    """What the Link does with an update: received into a buffer of the child's (the session's
-    allocator), then posted; the buffer it landed in."""
-
-    def run() -> memoryview:
-        buffer = child.bridge.update_buffer(len(data))
-        buffer[:] = data
-        child.bridge.post_update(Adopt(fragment, version, buffer, heal, "inc"))
-        return buffer
-
-    return child.call(run)
-
-
-def _take_until(parent: ProcessBridge, predicate) -> object:  # type: ignore[no-untyped-def]
-    """Step boundaries (take, then flush, as the runtime does) until predicate(inbox) holds."""
-    for _ in range(100):
-        parent.wait(DEADLINE_S / 100)
-        inbox = parent.take()
-        parent.flush()  # what the boundary gives back goes with its outbox
-        if predicate(inbox):
-            return inbox
-    raise AssertionError("the child's messages did not arrive in time")
-
-
-def test_updates_cross_in_shared_memory_and_snapshots_come_back(pair: tuple[ProcessBridge, _Child]) -> None:
+def test_updates_cross_in_shared_memory_and_snapshots_come_back(pair: Pair) -> None:
     parent, child = pair
     first = bytearray(range(256)) * 16
 
@@ -194,7 +136,7 @@ def test_updates_cross_in_shared_memory_and_snapshots_come_back(pair: tuple[Proc
         return buffer
 
     received = child.call(post_both)
-    inbox = _take_until(parent, lambda i: i.updates)
+    inbox = take_until(parent, lambda i: i.updates)
     (update,) = inbox.updates
     assert (update.fragment, update.version, update.heal, update.incarnation) == (3, 7, True, "inc")
     assert isinstance(update.buffer, memoryview) and bytes(update.buffer) == bytes(first)
@@ -235,11 +177,11 @@ def test_updates_cross_in_shared_memory_and_snapshots_come_back(pair: tuple[Proc
     # θ is the push's until it is done; then it goes back, and the next snapshot reuses it.
     assert parent._lender.lent == 1
     child.call(child.bridge.snapshot_done, snapshot)
-    _take_until(parent, lambda _: parent._lender.lent == 0)
+    take_until(parent, lambda _: parent._lender.lent == 0)
     assert parent.snapshot_buffer(len(first)).obj is theta.obj
 
 
-def test_a_lost_push_crosses_to_the_training_side(pair: tuple[ProcessBridge, _Child]) -> None:
+def test_a_lost_push_crosses_to_the_training_side(pair: Pair) -> None:
     """The Link's word that a push never reached the syncer (Bridge.post_lost) reaches the
     training process with the inbox, as it does the runtime of the thread bridge. Several in one
     turn of the loop (a session's pushes all fail as it closes) are forwarded together."""
@@ -250,7 +192,7 @@ def test_a_lost_push_crosses_to_the_training_side(pair: tuple[ProcessBridge, _Ch
             child.bridge.post_lost(LostPush(2, round_))
 
     child.call(post_three)
-    inbox = _take_until(parent, lambda i: len(i.lost) == 3)
+    inbox = take_until(parent, lambda i: len(i.lost) == 3)
     assert inbox.lost == [LostPush(2, 9), LostPush(2, 10), LostPush(2, 11)]
     assert parent.take().lost == []
 
@@ -278,36 +220,36 @@ def test_posts_due_at_once_in_one_turn_of_a_uvloop_loop() -> None:
         theirs.close()
 
 
-def test_superseded_and_replaced_updates_are_given_back(pair: tuple[ProcessBridge, _Child]) -> None:
+def test_superseded_and_replaced_updates_are_given_back(pair: Pair) -> None:
     parent, child = pair
     held = lambda: child.call(lambda: child.bridge.pool.held)  # noqa: E731
     for version in (1, 2):
-        _receive(child, 0, version, bytes([version]) * 64)
+        receive_update(child, 0, version, bytes([version]) * 64)
         child.forwarded()  # each in its own datagram: two inbox messages, two buffers
-    inbox = _take_until(parent, lambda i: i.updates)
+    inbox = take_until(parent, lambda i: i.updates)
     assert [u.version for u in inbox.updates] == [2]  # the newer replaced the older before it was taken
-    _take_until(parent, lambda _: held() == 1)
-    anchor = inbox.updates[0].buffer  # type: ignore[attr-defined]
-    _receive(child, 0, 3, bytes([3]) * 64)
-    inbox = _take_until(parent, lambda i: i.updates)
+    take_until(parent, lambda _: held() == 1)
+    anchor = inbox.updates[0].buffer
+    receive_update(child, 0, 3, bytes([3]) * 64)
+    inbox = take_until(parent, lambda i: i.updates)
     assert bytes(inbox.updates[0].buffer) == bytes([3]) * 64
     # Version 2 is the runtime's anchor until it says otherwise (it applied version 3).
     for _ in range(3):
-        _take_until(parent, lambda _: True)
+        take_until(parent, lambda _: True)
     assert held() == 2
     parent.release(anchor)
-    _take_until(parent, lambda _: held() == 1)
+    take_until(parent, lambda _: held() == 1)
     assert child.call(lambda: child.bridge.pool.buffers) == 2  # two buffers made, one reused
 
 
-def test_a_child_that_is_gone_is_an_error_not_a_hang(pair: tuple[ProcessBridge, _Child]) -> None:
+def test_a_child_that_is_gone_is_an_error_not_a_hang(pair: Pair) -> None:
     parent, child = pair
     child.call(child.bridge.channel.sock.close)
     with pytest.raises(NetworkProcessError, match="network process stopped"):
-        _take_until(parent, lambda _: False)
+        take_until(parent, lambda _: False)
 
 
-def test_an_unreadable_message_stops_the_child_with_a_reason(pair: tuple[ProcessBridge, _Child]) -> None:
+def test_an_unreadable_message_stops_the_child_with_a_reason(pair: Pair) -> None:
     """Not msgpack from the training side: the child says why and stops its network (the network
     process then exits, and the training side sees it gone), where it used to stop without a word,
     as if the training side had left."""
@@ -350,31 +292,20 @@ class _CopyInFlight:
 
 
 def _snapshot_in_flight(
-    parent: ProcessBridge, child: _Child, *, fragment: int, round_: int, size: int
+    parent: ProcessBridge, child: ChildOnThread, *, fragment: int, round_: int, size: int
 ) -> tuple[Snapshot, _CopyInFlight]:
     """A healed fragment (the child delivered its anchor) and a snapshot of it, θ = 0, 1, 2, ...,
     whose device copy is still running."""
     child.call(child.bridge.post_update, Adopt(fragment, 1, bytearray(size), True, "inc"))
-    (update,) = _take_until(parent, lambda i: i.updates).updates  # type: ignore[attr-defined]
+    (update,) = take_until(parent, lambda i: i.updates).updates
     theta = parent.snapshot_buffer(size)
     theta[:] = bytes(range(size))
     copy = _CopyInFlight()
     return Snapshot(fragment, round_, 1, 3, 300, theta, update.buffer, copy), copy
 
 
-def _drain_snapshots(child: _Child, count: int) -> list[Snapshot]:
-    got: list[Snapshot] = []
-    for _ in range(100):
-        snapshots, _steps = child.call(child.bridge.drain)
-        got += snapshots
-        if len(got) >= count:
-            return got
-        threading.Event().wait(DEADLINE_S / 100)
-    raise AssertionError(f"{count} snapshots did not reach the child in time (got {len(got)})")
-
-
 def test_a_snapshot_whose_device_copy_runs_waits_for_a_later_boundary(
-    pair: tuple[ProcessBridge, _Child],
+    pair: Pair,
 ) -> None:
     """flush() never waits for the GPU: a snapshot whose copy is still running goes at a later
     boundary, once done, and the steps reported meanwhile are not held back with it."""
@@ -393,13 +324,13 @@ def test_a_snapshot_whose_device_copy_runs_waits_for_a_later_boundary(
     assert copy.waited == 0
     copy.finished = True  # the GPU got there; the next boundary sends it
     parent.flush()
-    (sent,) = _drain_snapshots(child, 1)
+    (sent,) = drain_snapshots(child, 1)
     assert (sent.fragment, sent.round) == (2, 5) and bytes(sent.theta) == bytes(range(64))
     assert copy.waited == 0  # never waited on the training thread
 
 
 def test_an_outer_gradient_computed_on_the_device_crosses_without_an_anchor(
-    pair: tuple[ProcessBridge, _Child],
+    pair: Pair,
 ) -> None:
     """--anchors device: the snapshot's buffer holds δ already; its note names no anchor, and the
     child's push sends those bytes as they are."""
@@ -408,26 +339,26 @@ def test_an_outer_gradient_computed_on_the_device_crosses_without_an_anchor(
     delta[:] = bytes(range(64))
     parent.send_snapshot(Snapshot(1, 4, 2, 3, 30, delta, bytearray(), delta=True), wake=False)
     parent.flush()
-    (sent,) = _drain_snapshots(child, 1)
+    (sent,) = drain_snapshots(child, 1)
     assert sent.delta and len(sent.anchor) == 0 and bytes(sent.theta) == bytes(range(64))
     manifest = (TensorEntry("w", "float32", (16,), 0),)
     _manifest, out, _sums = compute_push(sent, manifest, 32, in_place=True)
     assert out is sent.theta and bytes(out) == bytes(range(64))
 
 
-def test_closing_waits_out_a_deferred_device_copy(pair: tuple[ProcessBridge, _Child]) -> None:
+def test_closing_waits_out_a_deferred_device_copy(pair: Pair) -> None:
     """The last boundary's push is not lost when the copy is still running at shutdown."""
     parent, child = pair
     snapshot, copy = _snapshot_in_flight(parent, child, fragment=0, round_=9, size=32)
     parent.send_snapshot(snapshot)  # deferred
     parent.close()
     assert copy.waited == 1
-    (sent,) = _drain_snapshots(child, 1)
+    (sent,) = drain_snapshots(child, 1)
     assert sent.round == 9
 
 
 def test_given_back_buffers_ride_on_the_next_inbox_message(
-    pair: tuple[ProcessBridge, _Child], monkeypatch: pytest.MonkeyPatch
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The child holds the snapshot buffers it copied out until its next inbox message, so the
     training side reads one datagram per boundary fewer (alone after RELEASE_DELAY_S, above)."""
@@ -436,13 +367,13 @@ def test_given_back_buffers_ride_on_the_next_inbox_message(
     snapshot, copy = _snapshot_in_flight(parent, child, fragment=1, round_=4, size=128)
     copy.finished = True
     parent.send_snapshot(snapshot)
-    (pushed,) = _drain_snapshots(child, 1)
+    (pushed,) = drain_snapshots(child, 1)
     assert child.call(lambda: list(child.bridge._releases)) == []  # the push holds θ
     child.call(child.bridge.snapshot_done, pushed)  # the push is done
     pending = child.call(lambda: list(child.bridge._releases))
     assert len(pending) == 1 and parent._lender.lent == 1  # pushed, held by the child
-    _receive(child, 1, 2, bytes(128))
-    inbox = _take_until(parent, lambda i: i.updates)
+    receive_update(child, 1, 2, bytes(128))
+    inbox = take_until(parent, lambda i: i.updates)
     assert [u.version for u in inbox.updates] == [2]
     assert parent._lender.lent == 0  # given back by the very message that brought the update
     assert child.call(lambda: (child.bridge._releases, child.bridge._release_timer)) == ([], None)
@@ -453,7 +384,7 @@ def _plan(overlap: int) -> Plan:
     return Plan("inc", model, ((("a", 0, 4),), (("b", 0, 4),)), (0, 0), 2, overlap, 1)
 
 
-def _count_datagrams(child: _Child) -> list[str]:
+def _count_datagrams(child: ChildOnThread) -> list[str]:
     """The kinds of the messages the child sends from now on."""
     kinds: list[str] = []
     queue = child.bridge.channel.queue
@@ -466,11 +397,11 @@ def _count_datagrams(child: _Child) -> list[str]:
     return kinds
 
 
-def _at_a_boundary(parent: ProcessBridge, child: _Child, overlap: int, step_s: float) -> list[str]:
+def _at_a_boundary(parent: ProcessBridge, child: ChildOnThread, overlap: int, step_s: float) -> list[str]:
     """A plan taken, then a boundary whose outbox reports a step of step_s; the kinds of what the
     child sends after that."""
     child.call(child.bridge.post_plan, _plan(overlap))
-    _take_until(parent, lambda i: i.plan is not None)
+    take_until(parent, lambda i: i.plan is not None)
     before = child.call(lambda: child.bridge._boundary_at)
     parent.report_step(StepReportItem(1, 64, step_s), wake=False)
     parent.flush()
@@ -481,7 +412,7 @@ def _at_a_boundary(parent: ProcessBridge, child: _Child, overlap: int, step_s: f
     return _count_datagrams(child)
 
 
-def test_what_arrives_in_a_step_s_first_half_shares_one_datagram(pair: tuple[ProcessBridge, _Child]) -> None:
+def test_what_arrives_in_a_step_s_first_half_shares_one_datagram(pair: Pair) -> None:
     parent, child = pair
     step_s = 4.0  # the child holds what arrives now until two seconds after the boundary
     kinds = _at_a_boundary(parent, child, overlap=2, step_s=step_s)
@@ -490,22 +421,22 @@ def test_what_arrives_in_a_step_s_first_half_shares_one_datagram(pair: tuple[Pro
         assert parent.take().requests == []
         threading.Event().wait(0.02)
     child.call(child.bridge.post_update, Adopt(0, 1, bytearray(16), False, "inc"))
-    inbox = _take_until(parent, lambda i: i.requests)
+    inbox = take_until(parent, lambda i: i.requests)
     assert [u.version for u in inbox.updates] == [1]  # the update came with the request
     assert kinds == ["inbox"]
 
 
-def test_a_heal_a_lock_step_plan_or_a_short_step_is_not_held(pair: tuple[ProcessBridge, _Child]) -> None:
+def test_a_heal_a_lock_step_plan_or_a_short_step_is_not_held(pair: Pair) -> None:
     parent, child = pair
     kinds = _at_a_boundary(parent, child, overlap=2, step_s=60.0)
     child.call(child.bridge.post_request, FragmentRequest(1, 5, 0))
     child.call(child.bridge.post_update, Adopt(0, 1, bytearray(16), True, "inc"))  # a heal: at once
-    inbox = _take_until(parent, lambda i: i.updates)
+    inbox = take_until(parent, lambda i: i.updates)
     assert [r.round for r in inbox.requests] == [5] and kinds == ["inbox"]  # the request went with it
     for overlap, step_s in ((0, 60.0), (2, netproc.COALESCE_MIN_STEP_S / 2)):
         kinds = _at_a_boundary(parent, child, overlap=overlap, step_s=step_s)
         child.call(child.bridge.post_request, FragmentRequest(0, 6, 0))
-        assert [r.round for r in _take_until(parent, lambda i: i.requests).requests] == [6]  # type: ignore[attr-defined]
+        assert [r.round for r in take_until(parent, lambda i: i.requests).requests] == [6]
     # A short step's half is too short to see end to end: ask the child, at a boundary it has
     # just seen, how long it would hold a message (a millisecond, were short steps not exempt).
     bridge = child.bridge
@@ -519,7 +450,7 @@ def test_a_heal_a_lock_step_plan_or_a_short_step_is_not_held(pair: tuple[Process
 
 
 def test_between_boundaries_the_child_polls_only_near_the_next(
-    pair: tuple[ProcessBridge, _Child], monkeypatch: pytest.MonkeyPatch
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """After a boundary that reported a 2 s step, the child reads the training side's datagrams
     again only POLL_AHEAD_S before the next boundary it expects, not every millisecond."""
@@ -559,7 +490,7 @@ def test_a_peer_that_closes_with_messages_unread_is_a_close_not_a_fault() -> Non
 
 
 def test_the_training_side_leaving_with_an_inbox_unread_is_no_error(
-    pair: tuple[ProcessBridge, _Child],
+    pair: Pair,
 ) -> None:
     """A routine stop: the training loop's last boundary is past, the child forwards one more inbox
     (a request, an update), and the training side closes its end without reading it. The child
@@ -586,21 +517,23 @@ def test_first_anchors_cross_as_pieces_of_the_training_sides_arena() -> None:
     assert owner.fd is not None
     parent = ProcessBridge()
     parent._mapper.arena = owner  # as spawn does
-    child = _Child(parent._child_data, parent.counts, Arena(owner.size, shared=True, fd=os.dup(owner.fd)))
+    child = ChildOnThread(
+        parent._child_data, parent.counts, Arena(owner.size, shared=True, fd=os.dup(owner.fd))
+    )
     try:
         child.call(child.bridge.expect_anchors, [ALIGN + 5, 64])
-        _receive(child, 0, 1, b"\x07" * (ALIGN + 5), heal=True)
-        _receive(child, 1, 1, b"\x09" * 64, heal=True)
+        receive_update(child, 0, 1, b"\x07" * (ALIGN + 5), heal=True)
+        receive_update(child, 1, 1, b"\x09" * 64, heal=True)
         anchors: dict[int, memoryview] = {}
         while len(anchors) < 2:
-            for update in _take_until(parent, lambda i: i.updates).updates:  # type: ignore[attr-defined]
+            for update in take_until(parent, lambda i: i.updates).updates:
                 anchors[update.fragment] = update.buffer
         assert bytes(anchors[0]) == b"\x07" * (ALIGN + 5) and bytes(anchors[1]) == b"\x09" * 64
         # The parent reads them in its own arena: the first at 0, the second on the next page but one.
         assert bytes(owner.view(0, ALIGN + 5)) == bytes(anchors[0])
         assert bytes(owner.view(2 * ALIGN, 64)) == bytes(anchors[1])
-        _receive(child, 0, 2, b"\x08" * (ALIGN + 5))
-        (newer,) = _take_until(parent, lambda i: i.updates).updates  # type: ignore[attr-defined]
+        receive_update(child, 0, 2, b"\x08" * (ALIGN + 5))
+        (newer,) = take_until(parent, lambda i: i.updates).updates
         assert bytes(newer.buffer) == b"\x08" * (ALIGN + 5)
         assert bytes(owner.view(0, ALIGN + 5)) == b"\x07" * (ALIGN + 5)  # not written over the anchor
         assert child.call(lambda: child.bridge.arena.used) == ALIGN + 5 + 64

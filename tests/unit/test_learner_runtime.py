@@ -23,6 +23,7 @@ import structlog
 import torch
 from torch import Tensor, nn
 
+from devkit.device_standins import StandInStreams, recording_pins
 from dilocod.contract import StepResult, Trainer
 from dilocod.learner.bridge import Adopt, Bridge, LostPush
 from dilocod.learner.device import Copier, DeviceCopier, DeviceCopy
@@ -35,14 +36,13 @@ from dilocod.model.params import model_entries
 from dilocod.wire.codecs import checksum
 from dilocod.wire.manifest import ModelEntry, TensorEntry, pack_manifest, piece_rows
 from dilocod.wire.messages import FragmentRequest, Plan
-from tests.unit.device_standins import StandInStreams, recording_pins
 
 ENTRY = "tests_rig:make_trainer"
 INCARNATION = "inc-1"
 DEADLINE_S = 10.0
 CPU = torch.device("cpu")
 #: The device paths a test runs on: the CPU's, and the GPU's with CPU stand-ins of its streams
-#: (tests/unit/device_standins.py): the same parameters, bit for bit.
+#: (devkit/device_standins.py): the same parameters, bit for bit.
 PATHS = pytest.mark.parametrize("path", ["host", "staged"])
 #: With the anchors on the device too (--anchors device: δ computed there, no host anchor).
 ALL_PATHS = pytest.mark.parametrize("path", ["host", "staged", "device-anchors"])

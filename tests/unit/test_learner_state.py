@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from devkit.mounts import FILLER, fill, small_tmpfs
 from dilocod.learner.state import (
     STATE_FILE,
     LocalStateError,
@@ -23,7 +24,6 @@ from dilocod.learner.state import (
     load_local_state,
     save_local_state,
 )
-from tests.integration.mounts import FILLER, fill, small_tmpfs
 
 
 def _state(user: Any) -> dict[str, Any]:

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from devkit.syncer_status import status_of
 from dilocod.ops.metrics import CONTENT_TYPE, MetricsServer
 from dilocod.syncer.metrics import render_syncer_metrics
 from dilocod.transport.loop import run
-from tests.unit.test_syncer_metrics import status_of
 
 TEST_DEADLINE_S = 60.0
 CLIENT_TIMEOUT_S = 10.0

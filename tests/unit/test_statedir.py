@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from devkit.mounts import FILLER, fill, read_only_bind, small_tmpfs
 from dilocod.learner.state import INSTANCE_FILE, LocalStateError, learner_instance, rank_state_dir
 from dilocod.ops.statedir import (
     MAX_PID_BYTES,
@@ -20,7 +21,6 @@ from dilocod.ops.statedir import (
     hold_state_dir,
     probe_writes,
 )
-from tests.integration.mounts import FILLER, fill, read_only_bind, small_tmpfs
 
 
 def test_a_held_directory_refuses_a_second_holder_until_released(tmp_path: Path) -> None:

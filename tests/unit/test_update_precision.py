@@ -11,8 +11,9 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
+from devkit.links import new_link
 from dilocod.learner.bridge import Bridge
-from dilocod.learner.link import Link, LinkConfig
+from dilocod.learner.link import Link
 from dilocod.learner.plancheck import UpdateRefused, check_update
 from dilocod.model.params import model_entries
 from dilocod.model.plan import plan_fragments
@@ -156,18 +157,6 @@ def test_a_learner_accepts_the_plan_layout_at_the_stated_precision_fp32_or_bf16_
     ):
         with pytest.raises(UpdateRefused, match=f"fragment 3 is not the plan's layout at {precision}"):
             check_update(3, layout, precision, manifest, size)
-
-
-def new_link(incarnation: str = "inc", versions: tuple[int, int] = (0, 0)) -> tuple[Link, Bridge, Plan]:
-    """A Link over a real Bridge (no session), and a plan of two fragments of a small model that it
-    has not adopted yet."""
-    module = torch.nn.Sequential(torch.nn.Linear(8, 40), torch.nn.Linear(40, 7))
-    specs = model_entries(module)
-    plan = plan_fragments([(s.name, s.shape) for s in specs], 2)
-    message = Plan(incarnation, specs, tuple(f.pieces for f in plan.fragments), versions, 4, 1, 1)
-    bridge = Bridge()
-    link = Link(LinkConfig("127.0.0.1", 7070, "learner-a", None, codec="none"), specs, bridge)
-    return link, bridge, message
 
 
 def _link() -> tuple[Link, Bridge, Plan]:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .host import need_root, need_tool
+from devkit.host import need_root, need_tool
 
 #: What fills a tmpfs: one file, written until the file system refuses.
 FILLER = ".filler"

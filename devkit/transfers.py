@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +35,7 @@ from dilocod.wire.connection import Connection
 from dilocod.wire.events import Event, HandshakeCompleted, MessageReceived, PeerWentAway
 from dilocod.wire.frames import HEADER_BYTES, FrameType, decode_header
 from dilocod.wire.limits import DEFAULT_LIMITS, MiB
-from dilocod.wire.manifest import PACK_ALIGNMENT, TensorEntry, pack_manifest
+from dilocod.wire.manifest import TensorEntry, pack_manifest
 from dilocod.wire.messages import (
     Message,
     PushHeader,
@@ -227,25 +227,19 @@ class Fragment:
 
 def make_fragment(size_bytes: int, seed: int = 0, *, zero_last_bytes: int = 0) -> Fragment:
     """float32 values like an outer gradient (torch.randn * 1e-3), so compressors find the
-    redundancy of real gradients. The float32 tensor ends on the manifest's packing alignment;
-    whatever is left over (under 64 bytes) is a random uint8 tail. zero_last_bytes zeroes the end,
-    which any codec compresses."""
+    redundancy of real gradients: an fp32 push of one tensor. Whatever is left over after the
+    last whole float32 (under 4 bytes) is random padding (protocol/SPEC.md §5.2).
+    zero_last_bytes zeroes the end, which any codec compresses."""
     import torch
 
-    items = size_bytes // PACK_ALIGNMENT * PACK_ALIGNMENT // 4
-    tail = size_bytes - items * 4
-    tensors: list[tuple[str, str, Sequence[int]]] = [("gradient", "float32", [items])]
-    if tail:
-        tensors.append(("tail", "uint8", [tail]))
-    entries, raw_bytes = pack_manifest(tensors)
-    if raw_bytes != size_bytes:
-        raise RuntimeError(f"manifest packs {raw_bytes} bytes, not {size_bytes}")
+    items = size_bytes // 4
+    entries, _ = pack_manifest([("gradient", "float32", [items])])
     generator = torch.Generator().manual_seed(seed)
     data = bytearray(size_bytes)
     torch.frombuffer(data, dtype=torch.float32, count=items).copy_(
         torch.randn(items, generator=generator) * 1e-3
     )
-    if tail:
+    if tail := size_bytes - items * 4:
         noise = torch.randint(0, 256, (tail,), generator=generator, dtype=torch.uint8)
         data[items * 4 :] = bytes(noise.tolist())
     if zero_last_bytes:

@@ -1,6 +1,6 @@
 """What every benchmark records about where it ran: the CPU, the cores it may use, the load when it
 started, the versions of Python, torch and the event loop, and which commit of dilocod (and whether
-the measured part of the tree differed from it). Imported by the scripts in bench/ as `machine`."""
+the measured part of the tree differed from it). Imported by the scripts in bench/."""
 
 from __future__ import annotations
 

@@ -1,11 +1,12 @@
-"""A scripted learner for bench/scale.py: it joins the syncer with the scale model's parameter list,
-heals (receives every fragment), reports a step every --step-s, answers every fragment request at
-once with a push of a constant outer gradient, and drops every update it receives. It holds no
+"""A scripted learner for bench/scale.py, a process of its own: it joins the syncer with the scale
+model's parameter list, heals (receives every fragment), reports a step every --step-s, answers
+every fragment request at once with a push of a constant outer gradient, and drops every update it
+receives. It holds no
 model: its memory is one anchor per fragment size and the link's pool of push and update
 buffers. To the syncer it is a learner like any other (the same Link, the same protocol), so M of
 them load its merges, its sends and its event loop as M learners would.
 
-    python bench/scale_pusher.py --syncer 127.0.0.1:7070 --id p0 --layers 15
+    python -m devkit.scale_pusher --syncer 127.0.0.1:7070 --id p0 --layers 15
 """
 
 from __future__ import annotations

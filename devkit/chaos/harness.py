@@ -1,6 +1,6 @@
 """A chaos run on real processes: one `dilocod syncer` and three `dilocod learner` processes training
 the embedded model (dilocod.examples.charlm) on loopback, every learner behind the fault proxy
-(tests/chaos/proxy.py), a schedule of faults, and the evidence gathered while it runs and after.
+(devkit/chaos/proxy.py), a schedule of faults, and the evidence gathered while it runs and after.
 
 What it owns: starting and restarting the daemons, the fault schedule (network faults through the
 proxy at a steady rate, kills with -9 aimed mid-push and mid-update, SIGSTOP/SIGCONT, a partition,
@@ -105,7 +105,7 @@ class ChaosPlan:
     #: Keep every checkpoint with the steps trained by then: the loss-versus-steps curve another
     #: run is compared with at equal steps (ChaosReport.loss_at_steps).
     keep_curve: bool = False
-    #: Instead of the schedule (faults=False): a flaky relay for the whole run (tests/chaos/proxy.py),
+    #: Instead of the schedule (faults=False): a flaky relay for the whole run (devkit/chaos/proxy.py),
     #: on from the moment every learner is live until the run's length has passed.
     relay: RelayFaults | None = None
     #: The training both daemons run (--entry), and environment it reads; "" is the embedded

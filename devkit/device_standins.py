@@ -3,7 +3,9 @@ once on the CPU, each event completes when the test says so (at once, unless `ho
 registrations are recorded against the real addresses of real buffers. So the bookkeeping the CUDA
 path shares with nothing else (regions pinned once, slots reused after their last use, host buffers
 held by the copies that read them, who waits for whom) runs here exactly as it runs on a GPU; the
-copies themselves are checked against the CPU path byte for byte, and on CUDA by tests/gpu/."""
+copies themselves are checked against the CPU path byte for byte, and on CUDA by tests/gpu/.
+
+Also the small model of three dtypes both check (Mixed) and its two fragments' layouts."""
 
 from __future__ import annotations
 
@@ -11,7 +13,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import torch
+from torch import nn
+
 from dilocod.learner.device import HostPins
+from dilocod.learner.layout import FragmentLayout, layouts_for
+from dilocod.model.params import model_entries
+from dilocod.wire.messages import Plan
 
 
 class StandInEvent:
@@ -107,3 +115,23 @@ def recording_pins() -> tuple[HostPins, PinLog]:
         return 0
 
     return HostPins(register, unregister, lambda code: f"stand-in error ({code})"), record
+
+
+class Mixed(nn.Module):
+    """Parameters of three dtypes, one cut into row slices by the plan (tests/gpu/ makes it `scale`
+    times larger in every dimension)."""
+
+    def __init__(self, scale: int = 1) -> None:
+        super().__init__()
+        self.scale = scale
+        generator = torch.Generator().manual_seed(7)
+        self.wide = nn.Parameter(torch.randn(6 * scale, 5 * scale, generator=generator))
+        self.narrow = nn.Parameter(torch.randn(3 * scale, 4 * scale, generator=generator).to(torch.bfloat16))
+        self.bias = nn.Parameter(torch.randn(7 * scale, generator=generator).to(torch.float16))
+
+
+def layouts_of(model: Mixed) -> list[FragmentLayout]:
+    n = model.scale
+    fragments = ((("wide", 0, 4 * n),), (("wide", 4 * n, 6 * n), ("narrow", 0, 3 * n), ("bias", 0, 7 * n)))
+    plan = Plan("inc", model_entries(model), fragments, (0, 0), sync_every=2, overlap=1, quorum=1)
+    return layouts_for(plan, model)

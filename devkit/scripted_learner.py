@@ -6,7 +6,7 @@ outer gradient as a float32 push, and adopts every update by overwriting (anchor
 Everything it sent and received is recorded for the tests to check against dilocod.outer.
 
 Importable by the tests, and runnable as a process (so it can be SIGSTOPped or killed -9):
-    python learner_script.py --port P --id NAME [--step-s 0.05] [--tokens 100] [--steps N]
+    python -m devkit.scripted_learner --port P --id NAME [--step-s 0.05] [--tokens 100] [--steps N]
 It prints one JSON line per event of interest ("joined", "update", "push", "done") on stdout.
 """
 

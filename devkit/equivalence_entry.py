@@ -1,6 +1,6 @@
 """The learner entry of the equivalence tests: a small deterministic MLP trained by plain torch SGD
 on batches drawn from the learner's seed (ctx.seed), and the same model and batches for the
-references (tests/integration/diloco_reference.py) to train in the test's own process.
+references (devkit/diloco_reference.py) to train in the test's own process.
 
 The test copies this file into the directory it puts on the children's PYTHONPATH, the way a
 user's package is installed. Two environment variables, read by the factory, shape a learner:

@@ -157,13 +157,19 @@ class TrainingSide(Protocol):
 
 
 class Bridge:
-    def __init__(self, arena: Arena | None = None, *, page_aligned: bool = False) -> None:
+    def __init__(
+        self,
+        arena: Arena | None = None,
+        *,
+        page_aligned: bool = False,
+        on_discard: Callable[[Buffer], None] | None = None,
+    ) -> None:
         #: Where the fragments' first anchors are cut from (memory faulted in at start), if anywhere.
         self.arena = arena
         #: Buffers in mappings of their own (whole pages): a GPU page-locks them (learner.device).
         self._make: Callable[[int, int], memoryview] = mapped_buffer if page_aligned else bytearray_buffer
         #: Called with a buffer the pool forgets (update_failed): its memory may be unpinned.
-        self.on_discard: Callable[[Buffer], None] | None = None
+        self.on_discard = on_discard
         #: Update and snapshot buffers, by size (the network process's bridge lends shared memory
         #: instead, its own pools).
         self.pool = BufferPool(self._local_buffer)

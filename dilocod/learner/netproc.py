@@ -88,10 +88,9 @@ from dilocod.learner.bridge import (
     Buffer,
     Inbox,
     LostPush,
+    Mailbox,
     Snapshot,
     StepReportItem,
-    newer_update,
-    stale_under,
 )
 from dilocod.learner.buffers import BufferOwnershipError, BufferPool
 from dilocod.learner.control import Control
@@ -416,11 +415,8 @@ class ProcessBridge:
         self.process: subprocess.Popen[bytes] | None = None
         self._mapper = Mapper()
         self._lender = Lender()
-        self._plan: Any = None
-        self._updates: dict[int, tuple[Adopt, int]] = {}  # fragment -> (update, buffer id)
-        self._requests: dict[int, Any] = {}
-        self._fatal: str | None = None
-        self._lost: list[LostPush] = []
+        #: The inbox's control, under Bridge's rules; its updates' buffers are in _views.
+        self._mailbox = Mailbox()
         #: The child's update buffers this side holds (the mailbox, the runtime, snapshots not yet
         #: sent that name them as anchor): buffer id -> holders; and id(view) -> (buffer id, view)
         #: for the views handed to the runtime (the view is kept, so its id stays its own).
@@ -438,20 +434,8 @@ class ProcessBridge:
 
     def take(self) -> Inbox:
         self._pump()
-        inbox = Inbox(
-            self._plan,
-            [],
-            [self._requests.pop(k) for k in sorted(self._requests)],
-            self._fatal,
-            self._lost,
-        )
-        self._plan = None
-        self._lost = []
-        for fragment in sorted(self._updates):
-            # The mailbox's hold on the buffer becomes the runtime's (release gives it back).
-            adopt, _bid = self._updates.pop(fragment)
-            inbox.updates.append(adopt)
-        return inbox
+        # The mailbox's hold on an update's buffer becomes the runtime's (release gives it back).
+        return self._mailbox.take()
 
     def release(self, buffer: Buffer) -> None:
         """The runtime no longer reads an update's buffer (its anchor replaced, or the update not
@@ -483,7 +467,7 @@ class ProcessBridge:
 
     def wait(self, timeout_s: float) -> None:
         """Block until the child sends something or timeout_s passes (tau = 0, the first heal)."""
-        idle = self._plan is None and not self._updates and not self._requests and self._fatal is None
+        idle = self._mailbox.idle
         # Woken by the socket: read it at the next take, whether or not the child's count shows it yet.
         if idle and select.select([self.channel.sock], [], [], max(0.0, timeout_s))[0]:
             self.channel.check_now()
@@ -576,33 +560,24 @@ class ProcessBridge:
         for bid in note.released:
             self._lender.give_back(bid)
         if control.plan is not None:
-            self._plan = control.plan
-            # As Bridge.post_plan: requests of the older session go, its updates only if stale.
-            for fragment, (queued, queued_bid) in list(self._updates.items()):
-                if stale_under(control.plan, queued):
-                    self._let_go(queued_bid)
-                    del self._updates[fragment]
-            self._requests.clear()
+            for dropped in self._mailbox.post_plan(control.plan):
+                self.release(dropped.buffer)
         for update, bid in zip(control.updates, note.buffers, strict=True):
             view = self._mapper.view(bid, update.nbytes)
             if bid in self._holders:
                 raise NetworkProcessError(f"buffer {bid} lent again while this side still holds it")
             self._hold(bid)  # the mailbox's, then the runtime's
             self._views[id(view)] = (bid, view)
-            adopt = Adopt(update.fragment, update.version, view, update.heal, update.incarnation)
-            pending = self._updates.get(update.fragment)
-            kept = newer_update(None if pending is None else pending[0], adopt)
-            if kept is None:
-                self._let_go(bid)
-                continue
-            self._updates[update.fragment] = (kept, bid)
-            if pending is not None:
-                self._let_go(pending[1])
+            gone = self._mailbox.post_update(
+                Adopt(update.fragment, update.version, view, update.heal, update.incarnation)
+            )
+            if gone is not None:  # the older update replaced, or this one refused
+                self.release(gone.buffer)
         for request in control.requests:
-            self._requests[request.fragment] = request
-        self._lost.extend(control.lost)
+            self._mailbox.requests[request.fragment] = request
+        self._mailbox.lost.extend(control.lost)
         if control.fatal is not None:
-            self._fatal = control.fatal
+            self._mailbox.fatal = control.fatal
 
     def _died(self, why: str) -> None:
         status = None if self.process is None else self.process.poll()

@@ -6,7 +6,9 @@ one not yet applied), fragment requests (one per fragment), and a fatal error. T
 takes them all at a step boundary and never waits for them (except when told to: tau = 0, or the
 first heal). Training to network: snapshots of requested fragments (one per fragment) and step
 reports; the network loop is woken with call_soon_threadsafe, once per batch. Nothing here blocks
-the training thread on the network. Must not import torch.
+the training thread on the network. The mailbox's rules (Mailbox) are the network process's
+bridge's too (dilocod.learner.netproc.ProcessBridge, on its side of the socket). Must not import
+torch.
 
 Fragment buffers have holders (dilocod.learner.buffers): an update is received straight into a
 buffer of the bridge's pool (update_buffer), held by the mailbox until taken, then by the training
@@ -143,6 +145,59 @@ def newer_update(pending: Adopt | None, adopt: Adopt) -> Adopt | None:
     return Adopt(adopt.fragment, adopt.version, adopt.buffer, heal, adopt.incarnation, adopt.staged)
 
 
+class Mailbox:
+    """What the network posted and the training loop has not taken yet, under the rules both
+    bridges apply (Bridge here, the network process's ProcessBridge on its side of the socket):
+    the newest update per fragment (newer_update), one request per fragment, a new plan clearing
+    the requests and the updates it makes stale (stale_under), the fatal error kept. Plain data:
+    the caller locks, and lets go of the buffers of the updates it is told will never be taken."""
+
+    def __init__(self) -> None:
+        self.plan: Plan | None = None
+        self.updates: dict[int, Adopt] = {}
+        self.requests: dict[int, FragmentRequest] = {}
+        self.fatal: str | None = None
+        self.lost: list[LostPush] = []
+
+    def post_plan(self, plan: Plan) -> list[Adopt]:
+        """A new session's plan; the updates it makes stale, which will never be taken."""
+        self.plan = plan
+        # Requests of an older session mean nothing under the new one; its updates do when they
+        # come from the same syncer incarnation (a rejoin's JOIN says it holds them).
+        dropped = [adopt for adopt in self.updates.values() if stale_under(plan, adopt)]
+        for adopt in dropped:
+            del self.updates[adopt.fragment]
+        self.requests.clear()
+        return dropped
+
+    def post_update(self, adopt: Adopt) -> Adopt | None:
+        """An update; the one that waits no more (the older one replaced, or this one refused)."""
+        pending = self.updates.get(adopt.fragment)
+        kept = newer_update(pending, adopt)
+        if kept is None:
+            return adopt
+        self.updates[adopt.fragment] = kept
+        return pending if pending is not None and pending.buffer is not kept.buffer else None
+
+    def take(self) -> Inbox:
+        """Everything posted since the last take, by fragment; the fatal error stays."""
+        inbox = Inbox(
+            self.plan,
+            [self.updates.pop(k) for k in sorted(self.updates)],
+            [self.requests.pop(k) for k in sorted(self.requests)],
+            self.fatal,
+            self.lost,
+        )
+        self.plan = None
+        self.lost = []
+        return inbox
+
+    @property
+    def idle(self) -> bool:
+        """Nothing a waiting training loop would wake for (lost pushes wait for a boundary)."""
+        return self.plan is None and not self.updates and not self.requests and self.fatal is None
+
+
 class TrainingSide(Protocol):
     """What the training loop calls on its bridge, whether the network is a thread (Bridge) or a
     process (dilocod.learner.netproc.ProcessBridge). None of it waits, but wait()."""
@@ -157,23 +212,25 @@ class TrainingSide(Protocol):
 
 
 class Bridge:
-    def __init__(self, arena: Arena | None = None, *, page_aligned: bool = False) -> None:
+    def __init__(
+        self,
+        arena: Arena | None = None,
+        *,
+        page_aligned: bool = False,
+        on_discard: Callable[[Buffer], None] | None = None,
+    ) -> None:
         #: Where the fragments' first anchors are cut from (memory faulted in at start), if anywhere.
         self.arena = arena
         #: Buffers in mappings of their own (whole pages): a GPU page-locks them (learner.device).
         self._make: Callable[[int, int], memoryview] = mapped_buffer if page_aligned else bytearray_buffer
         #: Called with a buffer the pool forgets (update_failed): its memory may be unpinned.
-        self.on_discard: Callable[[Buffer], None] | None = None
+        self.on_discard = on_discard
         #: Update and snapshot buffers, by size (the network process's bridge lends shared memory
         #: instead, its own pools).
         self.pool = BufferPool(self._local_buffer)
         self._lock = threading.Lock()
         self._posted = threading.Condition(self._lock)
-        self._plan: Plan | None = None
-        self._updates: dict[int, Adopt] = {}
-        self._requests: dict[int, FragmentRequest] = {}
-        self._fatal: str | None = None
-        self._lost: list[LostPush] = []
+        self._mailbox = Mailbox()
         self._snapshots: dict[int, Snapshot] = {}
         self._steps: deque[StepReportItem] = deque(maxlen=MAX_PENDING_STEPS)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -214,13 +271,7 @@ class Bridge:
 
     def post_plan(self, plan: Plan) -> None:
         with self._posted:
-            self._plan = plan
-            # Requests of an older session mean nothing under the new one; its updates do when
-            # they come from the same syncer incarnation (a rejoin's JOIN says it holds them).
-            dropped = [a for a in self._updates.values() if stale_under(plan, a)]
-            for adopt in dropped:
-                del self._updates[adopt.fragment]
-            self._requests.clear()
+            dropped = self._mailbox.post_plan(plan)
             self._posted.notify_all()
         for adopt in dropped:
             self._drop_update(adopt)
@@ -228,16 +279,11 @@ class Bridge:
     def post_update(self, adopt: Adopt) -> None:
         """Hand an update (and the buffer it was received in) to the training side."""
         with self._posted:
-            pending = self._updates.get(adopt.fragment)
-            kept = newer_update(pending, adopt)
-            if kept is not None:
-                self._updates[adopt.fragment] = kept
+            gone = self._mailbox.post_update(adopt)
             self._posted.notify_all()
         # The update that waits no more (the older one, replaced or refused) lets go of its buffer.
-        if kept is None:
-            self._drop_update(adopt)
-        elif pending is not None and pending.buffer is not kept.buffer:
-            self._drop_update(pending)
+        if gone is not None:
+            self._drop_update(gone)
 
     def _drop_update(self, adopt: Adopt) -> None:
         """An update the training side will never see: its buffer goes back."""
@@ -269,18 +315,18 @@ class Bridge:
 
     def post_request(self, request: FragmentRequest) -> None:
         with self._posted:
-            self._requests[request.fragment] = request
+            self._mailbox.requests[request.fragment] = request
             self._posted.notify_all()
 
     def post_fatal(self, message: str) -> None:
         with self._posted:
-            self._fatal = message
+            self._mailbox.fatal = message
             self._posted.notify_all()
 
     def post_lost(self, lost: LostPush) -> None:
         """A push that never reached the syncer whole (see LostPush)."""
         with self._posted:
-            self._lost.append(lost)
+            self._mailbox.lost.append(lost)
 
     def drain(self) -> tuple[list[Snapshot], list[StepReportItem]]:
         if self._copying:
@@ -297,21 +343,12 @@ class Bridge:
     def take(self) -> Inbox:
         """Everything the network posted since the last call (never waits)."""
         with self._lock:
-            inbox = Inbox(
-                self._plan,
-                [self._updates.pop(k) for k in sorted(self._updates)],
-                [self._requests.pop(k) for k in sorted(self._requests)],
-                self._fatal,
-                self._lost,
-            )
-            self._plan = None
-            self._lost = []
-        return inbox
+            return self._mailbox.take()
 
     def wait(self, timeout_s: float) -> None:
         """Block until the network posts something or timeout_s passes (tau = 0, first heal)."""
         with self._posted:
-            if self._plan is None and not self._updates and not self._requests and self._fatal is None:
+            if self._mailbox.idle:
                 self._posted.wait(timeout_s)
 
     def snapshot_buffer(self, size: int) -> memoryview:

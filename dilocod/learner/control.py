@@ -50,21 +50,28 @@ class Control:
     fatal: str | None
     lost: tuple[LostPush, ...] = ()
 
+    @classmethod
+    def of(cls, inbox: Inbox) -> Control:
+        """Rank 0's inbox without the fragment bytes (each update's byte count instead)."""
+        updates = tuple(
+            [UpdateNote(u.fragment, u.version, u.heal, u.incarnation, len(u.buffer)) for u in inbox.updates]
+        )
+        return cls(inbox.plan, updates, tuple(inbox.requests), inbox.fatal, tuple(inbox.lost))
 
-def control_to_raw(inbox: Inbox) -> dict[str, object]:
-    """Rank 0's inbox without the fragment bytes, as plain values for msgpack."""
-    return {
-        "plan": None if inbox.plan is None else encode_body(inbox.plan),
-        "updates": [[u.fragment, u.version, u.heal, u.incarnation, len(u.buffer)] for u in inbox.updates],
-        "requests": [[r.fragment, r.round, r.version] for r in inbox.requests],
-        "fatal": inbox.fatal,
-        "lost": [[lost.fragment, lost.round] for lost in inbox.lost],
-    }
+    def to_raw(self) -> dict[str, object]:
+        """As plain values for msgpack (control_from_raw reads them back)."""
+        return {
+            "plan": None if self.plan is None else encode_body(self.plan),
+            "updates": [[u.fragment, u.version, u.heal, u.incarnation, u.nbytes] for u in self.updates],
+            "requests": [[r.fragment, r.round, r.version] for r in self.requests],
+            "fatal": self.fatal,
+            "lost": [[lost.fragment, lost.round] for lost in self.lost],
+        }
 
 
 def encode_control(inbox: Inbox) -> bytes:
-    """control_to_raw as msgpack."""
-    return msgpack.packb(control_to_raw(inbox), use_bin_type=True)
+    """Control.of(inbox) as msgpack."""
+    return msgpack.packb(Control.of(inbox).to_raw(), use_bin_type=True)
 
 
 def decode_control(payload: bytes | bytearray) -> Control:
@@ -77,7 +84,7 @@ def decode_control(payload: bytes | bytearray) -> Control:
 
 
 def control_from_raw(raw: object) -> Control:
-    """The inverse of control_to_raw, for a map already read from msgpack; anything else raises
+    """The inverse of Control.to_raw, for a map already read from msgpack; anything else raises
     ControlError."""
     if not isinstance(raw, dict) or set(raw) != _CONTROL_KEYS:
         raise ControlError(f"inbox control must be a map of {sorted(_CONTROL_KEYS)}")

@@ -29,7 +29,8 @@ import torch
 
 from dilocod.contract import LearnerContext, Trainer
 from dilocod.learner.arena import anchors_ready
-from dilocod.learner.bridge import Bridge
+from dilocod.learner.bridge import Bridge, TrainingSide
+from dilocod.learner.device import copier_for
 from dilocod.learner.health import StepWatch, status_line
 from dilocod.learner.island import Island, IslandConfig
 from dilocod.learner.link import Link, LinkConfig
@@ -159,18 +160,26 @@ def _run(setup: LearnerSetup, device: torch.device, island: Island | None, notif
         raise LearnerSetupError(f"--entry {setup.runtime.entry}: {exc}") from None
     leader = island is None or island.leader
     in_process = setup.network == "process" and leader
+    # The training loop sees either network through TrainingSide alone; what differs (a Link
+    # here, or a child process to start and stop) is this function's.
+    bridge: TrainingSide
     link: Link | None = None
+    process: ProcessBridge | None = None
     side: SideReader | None = None
     # The anchors' memory, faulted in before the Link joins (dilocod.learner.arena); an island's
     # other ranks never run a Link.
     # With its anchors on a GPU (--anchors device) the host keeps none.
     device_anchors = setup.runtime.anchors == "device" and device.type == "cuda"
     arena = anchors_ready(model, shared=in_process) if leader and not device_anchors else None
+    copier = copier_for(device)
     if in_process:
-        bridge, side, side_child = open_network_process()
+        process, side, side_child = open_network_process()
+        bridge = process
     else:
-        bridge = Bridge(arena, page_aligned=device.type == "cuda")
-        link = Link(setup.link, model, bridge)
+        # A buffer the bridge discards (a failed update) is unpinned.
+        threaded = Bridge(arena, page_aligned=device.type == "cuda", on_discard=copier.forget)
+        link = Link(setup.link, model, threaded)
+        bridge = threaded
 
     def link_stats() -> dict[str, Any]:
         # Plain values written by the network thread (or the last statistics of the network
@@ -192,9 +201,9 @@ def _run(setup: LearnerSetup, device: torch.device, island: Island | None, notif
             "loop_lag_ms": stats.get("loop_lag_ms") or None,
         }
 
-    loop = TrainingLoop(setup.runtime, trainer, bridge, device, setup.link.learner_id, island, network_status)
-    if isinstance(bridge, Bridge):
-        bridge.on_discard = loop.copier.forget  # a discarded buffer's memory is unpinned
+    loop = TrainingLoop(
+        setup.runtime, trainer, bridge, device, setup.link.learner_id, island, network_status, copier
+    )
     try:
         # The factory's initial state, before anything connects: a state that the next start could
         # not load is found now, not by the restart that follows the first save.
@@ -206,9 +215,8 @@ def _run(setup: LearnerSetup, device: torch.device, island: Island | None, notif
         raise LearnerSetupError(str(exc)) from None
     if link is not None:
         link.incarnation = loop.incarnation
-    else:
-        assert isinstance(bridge, ProcessBridge)
-        bridge.spawn(encode_config(setup.link, model, loop.incarnation, setup.use_uvloop), side_child, arena)
+    if process is not None:
+        process.spawn(encode_config(setup.link, model, loop.incarnation, setup.use_uvloop), side_child, arena)
     if not loop.leader:
         # Under torchrun, systemd watches the launcher, not the ranks; rank 0 speaks for the island.
         notifier = Notifier()
@@ -253,8 +261,8 @@ def _run(setup: LearnerSetup, device: torch.device, island: Island | None, notif
     finally:
         if not stop.is_set():  # --steps done, or an error: no signal said STOPPING=1 yet
             notifier.stopping(f"stopping at step {loop.step_index}")
-        if isinstance(bridge, ProcessBridge):
-            bridge.close(NETWORK_STOP_TIMEOUT_S)  # the child says goodbye to the syncer and exits
+        if process is not None:
+            process.close(NETWORK_STOP_TIMEOUT_S)  # the child says goodbye to the syncer and exits
             if side is not None and network is not None:
                 side.finished.wait(SIDE_DRAIN_TIMEOUT_S)  # its last statistics, for the line below
         if network is not None:

@@ -7,16 +7,18 @@ copies and a few small messages). In a thread (`--network thread`) the same link
 training process's GIL, and every frame it parses can make a torch call of the step wait.
 
 Two AF_UNIX SOCK_SEQPACKET socketpairs join the processes:
-- data: child to parent the inbox (plan, merged fragments, requests, lost pushes, a fatal
-  error), parent to child the outbox (step reports, snapshots of requested fragments). The
+- data: child to parent the inbox (InboxNote: plan, merged fragments, requests, lost pushes, a
+  fatal error; ReleaseNote), parent to child the configuration first (ConfigNote), then the outbox
+  (OutboxNote: step reports, snapshots of requested fragments; NewBuffersNote). The
   training thread touches it only at step boundaries and never waits on it (except where the
   runtime waits anyway: the first heal, tau = 0). The child reads it on a timer, near the
   boundaries it expects (OUTBOX_POLL_S, POLL_AHEAD_S), so that the training thread's send never
   has to wake a sleeping process, and forwards what arrives in the first half of a step in one
   datagram at half-step (COALESCE_MIN_STEP_S): each datagram costs the training thread a read and
   a decode at its boundary.
-- side: the child's link statistics once a second, read by a small thread of the parent for
-  progress and STATUS lines and for the watchdog (a child whose loop stalls stops the pings).
+- side: the child's link statistics (StatsNote) once a second, read by a small thread of the
+  parent for progress and STATUS lines and for the watchdog (a child whose loop stalls stops the
+  pings).
 
 Each end of the data socket also writes how many datagrams it has sent into a page both processes
 map (SentCounts), and reads the other's count before it reads the socket: a recvmsg that finds
@@ -24,9 +26,11 @@ nothing costs the training thread 10-15 µs at its boundary, and every boundary 
 learn that the queue is empty. The socket itself is read to its end (which also shows a peer that
 has gone) once every EOF_CHECK_S, and whenever the parent was woken by it.
 
-Messages are small msgpack datagrams; the outbox's snapshot notes and step reports are typed, with
-validating decoders (dilocod.learner.ipc). Fragment bytes never go through a socket, and are never
-copied between the processes: they sit in memory both map (memfd buffers, lent by the side that
+Every message is one small msgpack datagram, a note of dilocod.learner.ipc: a frozen dataclass
+encoded by its to_wire and read back by a validating decoder, so that a note that is not what its
+kind says is a NetworkProcessError naming the note and the field (this module reads no field of a
+decoded map itself; Channel only frames them). Fragment bytes never go through a socket, and are
+never copied between the processes: they sit in memory both map (memfd buffers, lent by the side that
 writes them, their descriptors passed once with SCM_RIGHTS, reused once nobody holds them; see
 dilocod.learner.buffers). Each fragment's anchor exists once, in the child's memory:
 - an update is received from the syncer straight into a buffer the child lends (the session's
@@ -84,23 +88,30 @@ from dilocod.learner.bridge import (
     Buffer,
     Inbox,
     LostPush,
+    Mailbox,
     Snapshot,
     StepReportItem,
-    newer_update,
-    stale_under,
 )
 from dilocod.learner.buffers import BufferOwnershipError, BufferPool
-from dilocod.learner.control import control_from_raw, control_to_raw
+from dilocod.learner.control import Control
 from dilocod.learner.delta import import_encoder
 from dilocod.learner.ipc import (
     DELTA_IN_THETA,
     NO_ANCHOR,
     NO_BUFFER,
+    ConfigNote,
+    InboxNote,
     IpcError,
+    NewBuffer,
+    NewBuffersNote,
+    Note,
+    OutboxNote,
+    ReleaseNote,
     SnapshotNote,
-    step_from_wire,
-    step_to_wire,
+    StatsNote,
+    note_from_wire,
 )
+from dilocod.wire.manifest import ModelEntry
 
 log = structlog.get_logger("dilocod.learner")
 
@@ -354,27 +365,40 @@ class Channel:
                 message = msgpack.unpackb(body, raw=False, strict_map_key=True)
             except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
                 raise NetworkProcessError(f"an unreadable message from the other process: {exc}") from None
-            if not isinstance(message, dict) or not isinstance(message.get("k"), str):
-                raise NetworkProcessError("a message from the other process without a kind")
+            if not isinstance(message, dict):  # what kind of note it is, dilocod.learner.ipc reads
+                raise NetworkProcessError("a message from the other process that is not a map")
             self._received += 1
             out.append((message, fds))
         return out
 
 
-def _take_fds(message: dict[str, Any], fds: list[int], mapper: Mapper) -> None:
-    """Map the buffers a message introduces ("new": [id, size] with one descriptor each, in order,
-    and [id, size, offset] for pieces of the anchors' arena, which need none)."""
-    new = message.get("new", [])
-    shapes_ok = all(isinstance(e, list) and len(e) in (2, 3) and all(type(v) is int for v in e) for e in new)
-    owned = [e for e in new if len(e) == 2] if shapes_ok else []
-    if not shapes_ok or len(owned) != len(fds):
+def _read(raw: dict[str, Any], fds: list[int], mapper: Mapper, sender: str) -> Note:
+    """A message as its note (dilocod.learner.ipc), the buffers it introduces mapped; one that is
+    not what its kind says is a NetworkProcessError naming the note and the field, and the
+    descriptors that came with it are closed."""
+    try:
+        note = note_from_wire(raw)
+    except IpcError as exc:
+        for fd in fds:
+            os.close(fd)
+        raise NetworkProcessError(f"{sender}: {exc}") from None
+    _take_fds(note.new, fds, mapper)
+    return note
+
+
+def _take_fds(new: Sequence[NewBuffer], fds: list[int], mapper: Mapper) -> None:
+    """Map the buffers a note introduces: one descriptor each, in order, but for the pieces of the
+    anchors' arena (an offset), which need none."""
+    owned = [buffer for buffer in new if buffer.offset is None]
+    if len(owned) != len(fds):
         for fd in fds:
             os.close(fd)
         raise NetworkProcessError(f"{len(new)} new buffers announced, {len(fds)} descriptors passed")
-    for (bid, size), fd in zip(owned, fds, strict=True):
-        mapper.add(bid, fd, size)
-    for bid, size, offset in (e for e in new if len(e) == 3):
-        mapper.add_piece(bid, size, offset)
+    for buffer, fd in zip(owned, fds, strict=True):
+        mapper.add(buffer.buffer, fd, buffer.size)
+    for buffer in new:
+        if buffer.offset is not None:
+            mapper.add_piece(buffer.buffer, buffer.size, buffer.offset)
 
 
 # ----------------------------------------------------------------------------- the parent's side
@@ -391,11 +415,8 @@ class ProcessBridge:
         self.process: subprocess.Popen[bytes] | None = None
         self._mapper = Mapper()
         self._lender = Lender()
-        self._plan: Any = None
-        self._updates: dict[int, tuple[Adopt, int]] = {}  # fragment -> (update, buffer id)
-        self._requests: dict[int, Any] = {}
-        self._fatal: str | None = None
-        self._lost: list[LostPush] = []
+        #: The inbox's control, under Bridge's rules; its updates' buffers are in _views.
+        self._mailbox = Mailbox()
         #: The child's update buffers this side holds (the mailbox, the runtime, snapshots not yet
         #: sent that name them as anchor): buffer id -> holders; and id(view) -> (buffer id, view)
         #: for the views handed to the runtime (the view is kept, so its id stays its own).
@@ -413,20 +434,8 @@ class ProcessBridge:
 
     def take(self) -> Inbox:
         self._pump()
-        inbox = Inbox(
-            self._plan,
-            [],
-            [self._requests.pop(k) for k in sorted(self._requests)],
-            self._fatal,
-            self._lost,
-        )
-        self._plan = None
-        self._lost = []
-        for fragment in sorted(self._updates):
-            # The mailbox's hold on the buffer becomes the runtime's (release gives it back).
-            adopt, _bid = self._updates.pop(fragment)
-            inbox.updates.append(adopt)
-        return inbox
+        # The mailbox's hold on an update's buffer becomes the runtime's (release gives it back).
+        return self._mailbox.take()
 
     def release(self, buffer: Buffer) -> None:
         """The runtime no longer reads an update's buffer (its anchor replaced, or the update not
@@ -458,7 +467,7 @@ class ProcessBridge:
 
     def wait(self, timeout_s: float) -> None:
         """Block until the child sends something or timeout_s passes (tau = 0, the first heal)."""
-        idle = self._plan is None and not self._updates and not self._requests and self._fatal is None
+        idle = self._mailbox.idle
         # Woken by the socket: read it at the next take, whether or not the child's count shows it yet.
         if idle and select.select([self.channel.sock], [], [], max(0.0, timeout_s))[0]:
             self.channel.check_now()
@@ -467,7 +476,7 @@ class ProcessBridge:
         """Where the runtime copies a requested fragment: a buffer the child maps."""
         bid, view, fd = self._lender.borrow(size)
         if fd is not None:
-            self.channel.queue({"k": "new", "new": [[bid, size]]}, [fd])
+            self.channel.queue(NewBuffersNote((NewBuffer(bid, size),)).to_wire(), [fd])
         self._lent_views[id(view)] = (bid, view)
         return view
 
@@ -489,12 +498,12 @@ class ProcessBridge:
         stays for the next boundary (a step later, within tau) unless `wait`: the training thread
         must not wait for the GPU to drain the step it has just queued."""
         snapshots, self._snapshots = self._snapshots, []
-        notes = []
+        notes: list[SnapshotNote] = []
         noted: list[int] = []  # anchors named by the notes: let go of once the notes are queued
         for snapshot in snapshots:
             if snapshot.empty:
                 # NOTHING_TO_PUSH: no bytes travel, no buffer is lent.
-                notes.append(SnapshotNote.of(snapshot, NO_BUFFER, NO_ANCHOR).to_wire())
+                notes.append(SnapshotNote.of(snapshot, NO_BUFFER, NO_ANCHOR))
                 continue
             if snapshot.ready is not None and not snapshot.ready.done():
                 if not wait:
@@ -510,16 +519,15 @@ class ProcessBridge:
             anchor = DELTA_IN_THETA if snapshot.delta else self._anchor_id(snapshot.anchor)
             if anchor >= 0:
                 noted.append(anchor)
-            notes.append(SnapshotNote.of(snapshot, bid, anchor).to_wire())
+            notes.append(SnapshotNote.of(snapshot, bid, anchor))
         for anchor in noted:
             # The child reads the notes before the releases of the same message: it holds the
             # anchor from its note on, whatever this side gives back now.
             self._let_go(anchor)
         if notes or self._steps or self._releases:
-            steps = [step_to_wire(s) for s in self._steps]
-            self._steps = []
-            releases, self._releases = self._releases, []
-            self.channel.queue({"k": "outbox", "steps": steps, "snapshots": notes, "release": releases})
+            outbox = OutboxNote(tuple(self._steps), tuple(notes), tuple(self._releases))
+            self._steps, self._releases = [], []
+            self.channel.queue(outbox.to_wire())
         self._send()
 
     # -- the socket
@@ -537,59 +545,45 @@ class ProcessBridge:
         except NetworkProcessError as exc:
             self._died(str(exc))
             return
-        for message, fds in messages:
-            kind = message["k"]
-            _take_fds(message, fds, self._mapper)
-            if kind == "inbox":
-                self._on_inbox(message)
-            elif kind == "release":
-                for bid in message["ids"]:
-                    self._lender.give_back(int(bid))
-            elif kind != "new":
-                raise NetworkProcessError(f"the network process sent {kind!r}")
+        for raw, fds in messages:
+            note = _read(raw, fds, self._mapper, "the network process's message")
+            if isinstance(note, InboxNote):
+                self._on_inbox(note)
+            elif isinstance(note, ReleaseNote):
+                for bid in note.released:
+                    self._lender.give_back(bid)
+            else:
+                raise NetworkProcessError(f"the network process sent a {note.KIND} note")
 
-    def _on_inbox(self, message: dict[str, Any]) -> None:
-        control = control_from_raw(message["control"])
-        for bid in message["release"]:
-            self._lender.give_back(int(bid))
-        ids = message["ids"]
-        if len(ids) != len(control.updates):
-            raise NetworkProcessError("an inbox whose buffers do not match its updates")
+    def _on_inbox(self, note: InboxNote) -> None:
+        control = note.control
+        for bid in note.released:
+            self._lender.give_back(bid)
         if control.plan is not None:
-            self._plan = control.plan
-            # As Bridge.post_plan: requests of the older session go, its updates only if stale.
-            for fragment, (queued, queued_bid) in list(self._updates.items()):
-                if stale_under(control.plan, queued):
-                    self._let_go(queued_bid)
-                    del self._updates[fragment]
-            self._requests.clear()
-        for note, raw_bid in zip(control.updates, ids, strict=True):
-            bid = int(raw_bid)
-            view = self._mapper.view(bid, note.nbytes)
+            for dropped in self._mailbox.post_plan(control.plan):
+                self.release(dropped.buffer)
+        for update, bid in zip(control.updates, note.buffers, strict=True):
+            view = self._mapper.view(bid, update.nbytes)
             if bid in self._holders:
                 raise NetworkProcessError(f"buffer {bid} lent again while this side still holds it")
             self._hold(bid)  # the mailbox's, then the runtime's
             self._views[id(view)] = (bid, view)
-            adopt = Adopt(note.fragment, note.version, view, note.heal, note.incarnation)
-            pending = self._updates.get(note.fragment)
-            kept = newer_update(None if pending is None else pending[0], adopt)
-            if kept is None:
-                self._let_go(bid)
-                continue
-            self._updates[note.fragment] = (kept, bid)
-            if pending is not None:
-                self._let_go(pending[1])
+            gone = self._mailbox.post_update(
+                Adopt(update.fragment, update.version, view, update.heal, update.incarnation)
+            )
+            if gone is not None:  # the older update replaced, or this one refused
+                self.release(gone.buffer)
         for request in control.requests:
-            self._requests[request.fragment] = request
-        self._lost.extend(control.lost)
+            self._mailbox.requests[request.fragment] = request
+        self._mailbox.lost.extend(control.lost)
         if control.fatal is not None:
-            self._fatal = control.fatal
+            self._mailbox.fatal = control.fatal
 
     def _died(self, why: str) -> None:
         status = None if self.process is None else self.process.poll()
         raise NetworkProcessError(f"the learner's network process stopped ({why}; exit status {status})")
 
-    def spawn(self, config: dict[str, Any], side: socket.socket, arena: Arena | None = None) -> None:
+    def spawn(self, config: ConfigNote, side: socket.socket, arena: Arena | None = None) -> None:
         """Start the child on the other ends of the sockets and hand it its configuration, and the
         anchors' arena (a shared one, populated) to cut the first anchors from."""
         command = [sys.executable, "-m", "dilocod.learner.netproc"]
@@ -608,7 +602,7 @@ class ProcessBridge:
             self.counts.close_fd()
             if arena is not None:
                 arena.close()  # the child has its own descriptor; the mapping stays
-        self.channel.queue({"k": "config", "config": config})
+        self.channel.queue(config.to_wire())
         self._send()
 
     def close(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
@@ -662,11 +656,17 @@ class SideReader:
                 except NetworkProcessError:
                     self.finished.set()
                     return  # the child is gone: the training side reports it
-                for message, fds in messages:
+                for raw, fds in messages:
                     for fd in fds:
                         os.close(fd)
-                    if message["k"] == "stats":
-                        self.stats = message["stats"]
+                    try:
+                        note = note_from_wire(raw)
+                    except IpcError as exc:
+                        log.error("the network process's statistics cannot be read", error=str(exc))
+                        self.finished.set()
+                        return
+                    if isinstance(note, StatsNote):
+                        self.stats = note.stats
                         self.last_heard = time.monotonic()
         finally:
             loop.remove_reader(self.sock.fileno())
@@ -833,7 +833,9 @@ class ChildBridge(Bridge):
             )
             if not updates:
                 part.fatal = inbox.fatal
-            ids, new, fds = [], [], []
+            ids: list[int] = []
+            new: list[NewBuffer] = []
+            fds: list[int] = []
             for update in batch:
                 # Received in one of our buffers (update_buffer): the mailbox's hold on it becomes
                 # the parent's. Other memory is copied into one.
@@ -846,14 +848,13 @@ class ChildBridge(Bridge):
                 fd = self._unsent_fds.pop(bid, None)
                 offset = self._offsets.pop(bid, None)
                 if fd is not None:
-                    new.append([bid, len(update.buffer)])
+                    new.append(NewBuffer(bid, len(update.buffer)))
                     fds.append(fd)
                 elif offset is not None:
-                    new.append([bid, len(update.buffer), offset])
-            releases, self._releases = self._releases, []
-            control = control_to_raw(part)
-            message = {"k": "inbox", "control": control, "ids": ids, "new": new, "release": releases}
-            self.channel.queue(message, fds)
+                    new.append(NewBuffer(bid, len(update.buffer), offset))
+            note = InboxNote(Control.of(part), tuple(ids), tuple(new), tuple(self._releases))
+            self._releases = []
+            self.channel.queue(note.to_wire(), fds)
             first = False
         self._cancel_release_timer()
         self._send()
@@ -861,8 +862,9 @@ class ChildBridge(Bridge):
     def _release_alone(self) -> None:
         self._release_timer = None
         if self._releases:
-            releases, self._releases = self._releases, []
-            self.channel.queue({"k": "release", "ids": releases})
+            note = ReleaseNote(tuple(self._releases))
+            self._releases = []
+            self.channel.queue(note.to_wire())
             self._send()
 
     def _cancel_release_timer(self) -> None:
@@ -915,66 +917,55 @@ class ChildBridge(Bridge):
         return min(max(now + OUTBOX_POLL_S, expected - min(POLL_AHEAD_S, step_s / 4)), now + POLL_MAX_SLEEP_S)
 
     def _handle(self, messages: Sequence[tuple[dict[str, Any], list[int]]]) -> None:
-        for message, fds in messages:
-            _take_fds(message, fds, self._mapper)
-            kind = message["k"]
-            if kind == "outbox":
-                if self._loop is not None:
-                    self._boundary_at = self._loop.time()
-                try:
-                    steps = [step_from_wire(raw) for raw in message["steps"]]
-                    notes = [SnapshotNote.from_wire(raw) for raw in message["snapshots"]]
-                except IpcError as exc:
-                    raise NetworkProcessError(f"the training process's outbox: {exc}") from None
-                for item in steps:
-                    self.report_step(item, wake=False)
-                    self._step_times.append(item.step_time_s)
-                for note in notes:
-                    empty = bytearray()
-                    if note.empty:  # NOTHING_TO_PUSH: no buffer
-                        self.send_snapshot(
-                            Snapshot(
-                                note.fragment,
-                                note.round,
-                                note.base_version,
-                                0,
-                                0,
-                                empty,
-                                empty,
-                                step=note.step,
-                            ),
-                            wake=False,
-                        )
-                        continue
-                    theta = self._mapper.view(note.buffer, note.size)
-                    self._thetas[id(theta)] = (note.buffer, theta)
-                    snapshot = Snapshot(
-                        note.fragment,
-                        note.round,
-                        note.base_version,
-                        note.c_steps,
-                        note.c_tokens,
-                        theta,
-                        empty,
-                        step=note.step,
-                        apply_late=note.apply_late,
-                        # δ computed where the anchor lives (--anchors device): no anchor here.
-                        delta=note.anchor == DELTA_IN_THETA,
-                    )
-                    if snapshot.delta:
-                        self.send_snapshot(snapshot, wake=False)
-                        continue
-                    self._snapshot(snapshot, note.anchor)
-                # After the snapshots, which hold the anchors they name: what the parent gives
-                # back here may be one of them, and must not be reused while a push reads it.
-                for bid in message["release"]:
-                    try:
-                        self.pool.release(int(bid))
-                    except BufferOwnershipError as exc:
-                        raise NetworkProcessError(f"the training process gave back {bid}: {exc}") from None
-            elif kind != "new":
-                log.error("unexpected message from the training process", kind=kind)
+        for raw, fds in messages:
+            note = _read(raw, fds, self._mapper, "the training process's message")
+            if isinstance(note, OutboxNote):
+                self._take_outbox(note)
+            elif not isinstance(note, NewBuffersNote):  # mapped already
+                log.error("unexpected message from the training process", kind=note.KIND)
         self.flush()
+
+    def _take_outbox(self, outbox: OutboxNote) -> None:
+        """A boundary's step reports and snapshots to the Link, then the buffers given back."""
+        if self._loop is not None:
+            self._boundary_at = self._loop.time()
+        for item in outbox.steps:
+            self.report_step(item, wake=False)
+            self._step_times.append(item.step_time_s)
+        for note in outbox.snapshots:
+            empty = bytearray()
+            if note.empty:  # NOTHING_TO_PUSH: no buffer
+                nothing = Snapshot(
+                    note.fragment, note.round, note.base_version, 0, 0, empty, empty, step=note.step
+                )
+                self.send_snapshot(nothing, wake=False)
+                continue
+            theta = self._mapper.view(note.buffer, note.size)
+            self._thetas[id(theta)] = (note.buffer, theta)
+            snapshot = Snapshot(
+                note.fragment,
+                note.round,
+                note.base_version,
+                note.c_steps,
+                note.c_tokens,
+                theta,
+                empty,
+                step=note.step,
+                apply_late=note.apply_late,
+                # δ computed where the anchor lives (--anchors device): no anchor here.
+                delta=note.anchor == DELTA_IN_THETA,
+            )
+            if snapshot.delta:
+                self.send_snapshot(snapshot, wake=False)
+                continue
+            self._snapshot(snapshot, note.anchor)
+        # After the snapshots, which hold the anchors they name: what the parent gives back here
+        # may be one of them, and must not be reused while a push reads it.
+        for bid in outbox.released:
+            try:
+                self.pool.release(bid)
+            except BufferOwnershipError as exc:
+                raise NetworkProcessError(f"the training process gave back {bid}: {exc}") from None
 
     def _snapshot(self, snapshot: Snapshot, anchor_bid: int) -> None:
         """Hand a snapshot (θ in the parent's buffer) to the Link with its anchor: our buffer the
@@ -994,15 +985,17 @@ class ChildBridge(Bridge):
 
 @dataclass(frozen=True, slots=True)
 class ChildConfig:
-    link: Any
-    model: tuple[Any, ...]
+    """The network process's configuration, as its ConfigNote is read back."""
+
+    link: Any  # a LinkConfig (dilocod.learner.link, imported where the Link runs)
+    model: tuple[ModelEntry, ...]
     incarnation: str
     use_uvloop: bool
 
 
-def encode_config(link: Any, model: Sequence[Any], incarnation: str, use_uvloop: bool) -> dict[str, Any]:
-    """The child's configuration as plain values, generated from the LinkConfig dataclass (a new
-    field travels without a word here; the TLS context is rebuilt from its files)."""
+def encode_config(link: Any, model: Sequence[ModelEntry], incarnation: str, use_uvloop: bool) -> ConfigNote:
+    """The child's configuration note, generated from the LinkConfig dataclass (a new field
+    travels without a word here; the TLS context is rebuilt from its files)."""
     from dilocod.tuning.advice import advice_to_json  # noqa: PLC0415
 
     # Every field of the LinkConfig as it is, but the three that are not plain values: the TLS
@@ -1012,39 +1005,40 @@ def encode_config(link: Any, model: Sequence[Any], incarnation: str, use_uvloop:
         for field in dataclasses.fields(link)
         if field.name not in ("tls", "tls_files", "advice")
     }
-    values["tls_files"] = None if link.tls_files is None else [str(p) for p in link.tls_files]
-    values["advice"] = None if link.advice is None else advice_to_json(link.advice)
-    return {
-        "link": values,
-        "model": [entry.to_wire() for entry in model],
-        "incarnation": incarnation,
-        "use_uvloop": use_uvloop,
-    }
+    return ConfigNote(
+        values,
+        None if link.tls_files is None else tuple(str(p) for p in link.tls_files),
+        None if link.advice is None else advice_to_json(link.advice),
+        tuple(model),
+        incarnation,
+        use_uvloop,
+    )
 
 
-def decode_config(raw: dict[str, Any]) -> ChildConfig:
+def decode_config(raw: Any) -> ChildConfig:
+    """The configuration note as it arrived (a map read from msgpack); NetworkProcessError naming
+    the field if it is not one, or its link fields are not a LinkConfig's."""
     from pathlib import Path  # noqa: PLC0415
 
     from dilocod.learner.link import LinkConfig  # noqa: PLC0415
     from dilocod.transport.credentials import TlsFiles, client_context  # noqa: PLC0415
     from dilocod.tuning.advice import advice_from_json  # noqa: PLC0415
-    from dilocod.wire.limits import DEFAULT_LIMITS  # noqa: PLC0415
-    from dilocod.wire.manifest import parse_model  # noqa: PLC0415
 
-    values = dict(raw["link"])
-    tls_files = values.pop("tls_files")
-    advice = values.pop("advice")
-    tls = None
-    if tls_files is not None:
-        files = tuple(Path(p) for p in tls_files)
-        tls = client_context(TlsFiles(*files))
-    link = LinkConfig(
-        **values,
-        tls=tls,
-        tls_files=None if tls_files is None else tuple(Path(p) for p in tls_files),
-        advice=None if advice is None else advice_from_json(advice),
-    )
-    return ChildConfig(link, parse_model(raw["model"], DEFAULT_LIMITS), raw["incarnation"], raw["use_uvloop"])
+    try:
+        note = ConfigNote.from_wire(raw)
+        paths = None if note.tls_files is None else tuple(Path(p) for p in note.tls_files)
+        files = None if paths is None else TlsFiles(*paths)
+        advice = None if note.advice is None else advice_from_json(note.advice)
+    except (IpcError, TypeError, ValueError) as exc:
+        raise NetworkProcessError(f"the network process's configuration: {exc}") from None
+    tls = None if files is None else client_context(files)
+    try:
+        link = LinkConfig(**note.link, tls=tls, tls_files=paths, advice=advice)
+    except TypeError as exc:  # a field the LinkConfig has not got, or one it needs missing
+        raise NetworkProcessError(
+            f"the network process's configuration: a config note's link: {exc}"
+        ) from None
+    return ChildConfig(link, note.model, note.incarnation, note.use_uvloop)
 
 
 async def _child_main(
@@ -1066,8 +1060,7 @@ async def _child_main(
 
     async def stats() -> None:
         while not stop.is_set():
-            values = asdict(link.stats)
-            side_channel.queue({"k": "stats", "stats": values})
+            side_channel.queue(StatsNote(asdict(link.stats)).to_wire())
             with contextlib.suppress(NetworkProcessError):
                 side_channel.send()
             with contextlib.suppress(TimeoutError):
@@ -1087,7 +1080,7 @@ async def _child_main(
             for helper in helpers:
                 helper.cancel()
     # The last word: what the session did to the end (the parent logs it as the learner stops).
-    side_channel.queue({"k": "stats", "stats": asdict(link.stats)})
+    side_channel.queue(StatsNote(asdict(link.stats)).to_wire())
     side.setblocking(True)
     with contextlib.suppress(NetworkProcessError, OSError):
         side_channel.send()
@@ -1121,13 +1114,20 @@ def child(argv: Sequence[str] | None = None) -> int:
     counts.close_fd()  # mapped: the descriptor is not needed again
     channel = Channel(data, counts, SentCounts.CHILD)
     first = channel.receive()
-    if not first or first[0][0]["k"] != "config":
-        log.error("the learner's first message is not the configuration")
+    if not first:
+        log.error("no configuration from the learner")
         return 1
-    config = decode_config(first[0][0]["config"])
+    (raw, fds), backlog = first[0], first[1:]
+    for fd in fds:
+        os.close(fd)  # a configuration introduces no buffers
+    try:
+        config = decode_config(raw)
+    except NetworkProcessError as exc:
+        log.error("the learner's first message is not the configuration", error=str(exc))
+        return 1
     import_encoder(config.link.precision)  # torch for a lossy precision: not in the first push
     arena = None if args.arena_fd is None else Arena(args.arena_bytes, shared=True, fd=args.arena_fd)
-    run(_child_main(channel, side, config, first[1:], arena), use_uvloop=config.use_uvloop)
+    run(_child_main(channel, side, config, backlog, arena), use_uvloop=config.use_uvloop)
     return 0
 
 

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import pytest
 
 from dilocod.learner import bridge as bridge_module
-from dilocod.learner.bridge import Adopt, Bridge, Snapshot, StepReportItem
+from dilocod.learner.bridge import Adopt, Bridge, LostPush, Mailbox, Snapshot, StepReportItem
 from dilocod.wire.manifest import ModelEntry
 from dilocod.wire.messages import FragmentRequest, Plan
 
@@ -307,3 +307,29 @@ def test_take_never_blocks_while_the_training_side_waits_or_the_network_posts() 
     bridge.post_request(FragmentRequest(0, 1, 0))
     waiter.join(DEADLINE_S)
     assert not waiter.is_alive()
+
+
+def test_the_mailbox_both_bridges_keep() -> None:
+    """The rules the thread's Bridge and the network process's ProcessBridge share: the newest update
+    per fragment (the one that waits no more is handed back, its buffer to let go of), one request
+    per fragment, a plan that clears requests and the updates of another incarnation."""
+    box = Mailbox()
+    assert box.idle
+    first, second = Adopt(0, 1, bytearray(1), False, "inc-1"), Adopt(0, 2, bytearray(1), False, "inc-1")
+    assert box.post_update(first) is None
+    assert box.post_update(second) is first  # replaced: first's buffer goes back
+    assert box.post_update(Adopt(0, 1, bytearray(1), False, "inc-1")).version == 1  # older: refused
+    other = Adopt(1, 5, bytearray(1), False, "inc-0")
+    assert box.post_update(other) is None and not box.idle
+    box.requests[2] = FragmentRequest(2, 9, 0)
+    assert box.post_plan(plan("inc-1")) == [other]  # another incarnation's update means nothing
+    box.lost.append(LostPush(3, 4))
+    box.fatal = "gone"
+    inbox = box.take()
+    assert (inbox.plan, inbox.updates, inbox.requests, inbox.lost) == (
+        plan("inc-1"),
+        [second],
+        [],
+        [LostPush(3, 4)],
+    )
+    assert box.take().fatal == "gone" and not box.idle  # the fatal error stays

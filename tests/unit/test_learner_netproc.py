@@ -21,6 +21,7 @@ from devkit.bridge_child import DEADLINE_S, ChildOnThread, drain_snapshots, rece
 from dilocod.learner import netproc
 from dilocod.learner.arena import ALIGN, Arena, arena_size
 from dilocod.learner.bridge import Adopt, LostPush, Snapshot, StepReportItem, newer_update
+from dilocod.learner.ipc import NewBuffer
 from dilocod.learner.link import compute_push
 from dilocod.learner.netproc import (
     MAX_DATAGRAM_BYTES,
@@ -545,13 +546,13 @@ def test_first_anchors_cross_as_pieces_of_the_training_sides_arena() -> None:
 
 def test_a_piece_of_an_arena_the_parent_has_not_got_is_refused() -> None:
     with pytest.raises(NetworkProcessError, match="arena this side has not got"):
-        _take_fds({"new": [[1, 10, 0]]}, [], Mapper())
+        _take_fds([NewBuffer(1, 10, 0)], [], Mapper())
     read, write = os.pipe()
     with pytest.raises(NetworkProcessError, match="1 new buffers announced, 2 descriptors passed"):
-        _take_fds({"new": [[1, 10]]}, [read, write], Mapper())
+        _take_fds([NewBuffer(1, 10)], [read, write], Mapper())
     for fd in (read, write):
         with pytest.raises(OSError):
             os.fstat(fd)  # closed: nothing leaks from a bad message
     arena = Arena(2 * ALIGN, shared=False)
     with pytest.raises(NetworkProcessError, match="buffer 1: no piece"):
-        _take_fds({"new": [[1, 10, 3]]}, [], Mapper(arena))
+        _take_fds([NewBuffer(1, 10, 3)], [], Mapper(arena))

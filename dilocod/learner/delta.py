@@ -11,7 +11,7 @@ are dilocod.outer.pseudo_gradient's, which stays the one implementation over ten
 differs: where both operands are NaN, numpy (x86: the anchor's NaN, sign and payload) and torch's
 FMA kernel (θ's) keep different ones; a NaN either way, and the syncer's guard refuses the push.
 
-The lossy precisions (bf16, int8, int4: dilocod.precision, with error feedback) work on tensors:
+The lossy precisions (bf16, int8, int4: dilocod.model.precision, with error feedback) work on tensors:
 they import torch here, so only a learner configured for them pays for it; the network process
 imports it at its start (import_encoder), as importing torch takes seconds that its first push
 must not wait.
@@ -56,7 +56,7 @@ def fragment_delta_(anchor: Buffer, theta: Buffer, out: Buffer) -> None:
 def import_encoder(precision: str) -> None:
     """Import what encode_lossy needs at this wire precision (torch for the lossy ones) now."""
     if precision != "fp32":
-        importlib.import_module("dilocod.precision")
+        importlib.import_module("dilocod.model.precision")
 
 
 def zero_residual(manifest: tuple[TensorEntry, ...]) -> list[Tensor]:
@@ -73,7 +73,7 @@ def encode_lossy(
     """δ (float32, in the fragment's wire layout `manifest`) laid out at a lossy precision, with
     error feedback through residual (zero_residual's, updated in place)."""
     # Imports torch (lossy precisions only).
-    from dilocod.precision import encode, tensor_views  # noqa: PLC0415
+    from dilocod.model.precision import encode, tensor_views  # noqa: PLC0415
 
     return encode(tensor_views(delta, manifest), [e.name for e in manifest], precision, residual)
 
@@ -84,6 +84,6 @@ def decode_update(
     """An update received at bf16 (`manifest`) upcast, exactly, into a float32 buffer of the
     fragment's layout: the anchor the learner then holds. Imports torch (bf16 updates only, the
     syncer's --update-precision): the first such update pays for the import."""
-    from dilocod.precision import recast  # noqa: PLC0415
+    from dilocod.model.precision import recast  # noqa: PLC0415
 
     recast(received, manifest, target, layout)

@@ -46,7 +46,7 @@ import torch
 
 from dilocod.learner.bridge import Buffer, CopyInFlight
 from dilocod.learner.layout import FragmentLayout
-from dilocod.precision import byte_views
+from dilocod.model.precision import byte_views
 
 #: cudaHostRegisterPortable: the registration holds for every CUDA context of the process.
 REGISTER_PORTABLE = 1

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from dilocod.learner.plancheck import check_plan
 from dilocod.model.params import model_entries
-from dilocod.precision import tensor_views
+from dilocod.model.precision import tensor_views
 from dilocod.wire.manifest import TensorEntry, fragment_manifest, piece_rows
 from dilocod.wire.messages import Plan
 

@@ -143,7 +143,7 @@ class LinkConfig:
     codec: str = _DEFAULTS.codec
     #: What `dilocod bench` saved for this syncer (tuning.load_advice): used by the "auto" values.
     advice: Advice | None = None
-    #: Wire precision of outer gradients (dilocod.precision): fp32, bf16, int8 or int4.
+    #: Wire precision of outer gradients (dilocod.model.precision): fp32, bf16, int8 or int4.
     precision: str = _DEFAULTS.precision
     chunk_bytes: int = _DEFAULTS.chunk
     join_timeout_s: float = _DEFAULTS.join_timeout_s

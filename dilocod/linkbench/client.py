@@ -100,12 +100,12 @@ def streams_text(streams: Sequence[int]) -> str:
 
 def make_data(kind: str, size_bytes: int, seed: int = 0) -> tuple[bytearray, int]:
     """Test bytes and their float item size (the byte-plane shuffle's unit; 0 for random bytes,
-    which travel as a float32 push of whatever bits they hold: a whole number of 4-byte items).
+    which travel as a float32 push of whatever bits they hold).
 
     bf16 and fp32 are shaped like outer gradients: normal values whose scale differs from tensor
     to tensor (1e-4 … 1e-2 in blocks of 256 Ki values), which is what decides their entropy."""
     if kind == "random":
-        return bytearray(os.urandom(size_bytes - size_bytes % 4)), 0
+        return bytearray(os.urandom(size_bytes)), 0
     import torch  # noqa: PLC0415 - only the gradient-shaped data needs tensors
 
     dtype, item = (torch.bfloat16, 2) if kind == "bf16" else (torch.float32, 4)
@@ -147,8 +147,9 @@ def wire_bytes(session: Session) -> int:
 
 def _header(data: bytearray, item: int, codec: str, chunk_bytes: int, round_: int = 0) -> PushHeader:
     precision, dtype, size = ("bf16", "bfloat16", 2) if item == 2 else ("fp32", "float32", 4)
-    manifest, raw_bytes = pack_manifest([("fragment", dtype, [len(data) // size])])
-    return PushHeader(tuple(manifest), raw_bytes, codec, chunk_bytes, round=round_, precision=precision)
+    manifest, _ = pack_manifest([("fragment", dtype, [len(data) // size])])
+    # Bytes past the last whole value (a short gloo request) travel as padding (SPEC §5.2).
+    return PushHeader(tuple(manifest), len(data), codec, chunk_bytes, round=round_, precision=precision)
 
 
 @dataclass(slots=True)

@@ -64,6 +64,7 @@ import xxhash
 from torch import Tensor
 
 from dilocod.model.plan import FragmentPlan
+from dilocod.model.precision import recast, tensor_views
 from dilocod.outer import embedding_mask, outer_step_
 from dilocod.outer.guard import (
     DEFAULT_MAX_FRAGMENT_RATIO,
@@ -73,7 +74,6 @@ from dilocod.outer.guard import (
     check_outer_gradient,
     l2_norm,
 )
-from dilocod.precision import recast, tensor_views
 from dilocod.syncer.buffers import Buffer, BufferPool, zeroed
 from dilocod.syncer.checkpoint import Lent, TensorPiece
 from dilocod.wire.choices import UPDATE_PRECISIONS

@@ -31,11 +31,11 @@ import structlog
 
 from dilocod.config import SyncerConfig
 from dilocod.model.compare import first_difference
+from dilocod.model.precision import decode
 from dilocod.ops.figures import quantiles
 from dilocod.ops.looplag import LoopLag
 from dilocod.ops.priority import lower_this_thread
 from dilocod.outer.guard import Verdict
-from dilocod.precision import decode
 from dilocod.syncer.checkpoint import CheckpointPruneError, FragmentedModel, save_fragments
 from dilocod.syncer.model import Encoding, GlobalModel, MergeRejected, Snapshot
 from dilocod.syncer.pushes import PushStore

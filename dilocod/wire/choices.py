@@ -12,7 +12,7 @@ from __future__ import annotations
 CODECS = ("none", "lz4", "zstd")
 #: What a user writes to let dilocod choose (a learner's --streams and --codec, `bench`'s lists).
 AUTO = "auto"
-#: Wire precisions of outer gradients (dilocod.precision, wire.layouts).
+#: Wire precisions of outer gradients (dilocod.model.precision, wire.layouts).
 PRECISIONS = ("fp32", "bf16", "int8", "int4")
 #: Wire precisions of updates: the syncer rounds what it sends, never its master.
 UPDATE_PRECISIONS = PRECISIONS[:2]

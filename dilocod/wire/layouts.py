@@ -2,7 +2,7 @@
 dtypes fit the precision its stream header states (protocol/SPEC.md §5.1): pure arithmetic on
 (name, shape) lists, shared by the syncer, the learner and its network process (which imports no
 torch at fp32: dilocod.learner.delta). The encoding and decoding themselves are
-dilocod.precision's.
+dilocod.model.precision's.
 
 - fp32: one float32 tensor per piece; bf16: one bfloat16 tensor per piece;
 - int8 / int4: per piece, block-scaled integer codes as `name` (int8 codes, or uint8 bytes of two

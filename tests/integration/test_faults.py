@@ -382,7 +382,7 @@ BAD_INPUT = [
         (),
         id="hello-missing-fields",
     ),
-    pytest.param(_hello(3, 4), ErrorCode.UNSUPPORTED_VERSION, (), id="hello-only-versions-3-4"),
+    pytest.param(_hello(4, 5), ErrorCode.UNSUPPORTED_VERSION, (), id="hello-only-versions-4-5"),
 ]
 
 

@@ -3,7 +3,7 @@ process, its Link dialling a real transport Server that plays the syncer's part 
 at fp32 it never loads torch (its memory map holds no torch library) and its push is, bit for bit,
 dilocod.outer.pseudo_gradient of the anchor the child received and the θ the training side copied
 in, infinities, signed zeros and subnormals included; at a lossy precision it loads torch for the
-encoding and pushes what dilocod.precision encodes. Every wait has a deadline."""
+encoding and pushes what dilocod.model.precision encodes. Every wait has a deadline."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ import torch
 from dilocod.learner.bridge import Adopt, Snapshot
 from dilocod.learner.link import LinkConfig
 from dilocod.learner.netproc import encode_config, open_network_process
+from dilocod.model.precision import encode, tensor_views
 from dilocod.outer import pseudo_gradient
-from dilocod.precision import encode, tensor_views
 from dilocod.transport.endpoints import Server
 from dilocod.transport.errors import SessionClosed
 from dilocod.transport.session import FragmentReceived, Session

@@ -14,7 +14,7 @@ import pytest
 from devkit.daemons import start_learner, start_syncer, syncer_status, write_learner_entry
 from dilocod.model.params import model_entries
 from dilocod.model.plan import plan_fragments
-from dilocod.precision import recast
+from dilocod.model.precision import recast
 from dilocod.syncer.checkpoint import load_latest_checkpoint
 from dilocod.syncer.model import GlobalModel
 from dilocod.wire.codecs import checksum

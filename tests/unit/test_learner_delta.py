@@ -3,7 +3,7 @@ whole buffers gives dilocod.outer.pseudo_gradient's bits exactly, NaN payloads, 
 signed zeros and subnormals included (where both operands are NaN, a NaN: IEEE 754 leaves its
 payload open, and the two libraries' kernels pick different ones), in place over θ or into
 another buffer; the lossy
-precisions encode that δ as dilocod.precision always did (same bytes, same residuals); and the
+precisions encode that δ as dilocod.model.precision always did (same bytes, same residuals); and the
 modules the learner's network process imports pull in no torch."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import torch
 from dilocod.learner import link
 from dilocod.learner.bridge import Snapshot
 from dilocod.learner.delta import fragment_delta_, zero_residual
+from dilocod.model.precision import encode, tensor_views
 from dilocod.outer import pseudo_gradient
-from dilocod.precision import encode, tensor_views
 from dilocod.wire.manifest import pack_manifest
 
 SPECIALS = np.array(
@@ -106,7 +106,7 @@ def _snapshot(anchor: bytearray, theta: bytearray) -> Snapshot:
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "int8", "int4"])
 def test_a_push_is_what_the_torch_path_made(precision: str) -> None:
     """compute_push at every precision, over three rounds of error feedback, against δ from
-    pseudo_gradient encoded by dilocod.precision: the same manifest, bytes and residuals."""
+    pseudo_gradient encoded by dilocod.model.precision: the same manifest, bytes and residuals."""
     shapes = [("w", (37, 64)), ("b", (129,))]
     manifest = tuple(pack_manifest([(name, "float32", shape) for name, shape in shapes])[0])
     size = manifest[-1].offset + manifest[-1].nbytes

@@ -255,9 +255,9 @@ def test_an_unreadable_message_stops_the_child_with_a_reason(pair: Pair) -> None
     process then exits, and the training side sees it gone), where it used to stop without a word,
     as if the training side had left."""
     parent, child = pair
-    parent.channel.sock.sendmsg([b"\xc1 not msgpack"])
-    parent.counts.words[SentCounts.PARENT] += 1  # counted, as Channel.send would
-    with structlog.testing.capture_logs() as logs:
+    with structlog.testing.capture_logs() as logs:  # before sending: the child may read it at once
+        parent.channel.sock.sendmsg([b"\xc1 not msgpack"])
+        parent.counts.words[SentCounts.PARENT] += 1  # counted, as Channel.send would
         for _ in range(100):
             if child.call(child.bridge.closed.is_set):
                 break

@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 import torch
 
+from dilocod.model.precision import decode, encode
 from dilocod.outer import nesterov_step_, rda_merge
-from dilocod.precision import decode, encode
 from dilocod.wire.choices import PRECISIONS
 from dilocod.wire.layouts import layout_fault, push_layout
 

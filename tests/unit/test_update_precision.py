@@ -17,7 +17,7 @@ from dilocod.learner.link import Link
 from dilocod.learner.plancheck import UpdateRefused, check_update
 from dilocod.model.params import model_entries
 from dilocod.model.plan import plan_fragments
-from dilocod.precision import recast, tensor_views
+from dilocod.model.precision import recast, tensor_views
 from dilocod.syncer.model import GlobalModel
 from dilocod.transport.session import FragmentReceived
 from dilocod.wire.codecs import chunk_checksums

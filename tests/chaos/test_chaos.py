@@ -1,6 +1,6 @@
 """Chaos on real processes: a syncer and three learners training the embedded model (charlm) on
 loopback for 100 s under a schedule of more than a hundred faults, against a fault-free run of the
-same length beside it (devkit/chaos/harness.py runs both; devkit/chaos/proxy.py is the network seam).
+same length (devkit/chaos/harness.py runs both; devkit/chaos/proxy.py is the network seam).
 
 The faults: corrupt chunk payloads both ways, frames truncated on data and control connections,
 learners killed with -9 half way through a push and half way through an update (each restarted on
@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import json
 import math
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -55,7 +54,7 @@ from devkit.chaos.harness import LEARNERS, SURVIVOR, TAIL_CHECKPOINTS, ChaosPlan
 #: every 0.8 s on average (the bench's: 1 s): about 125 network faults, and the suite inside its time.
 DURATION_S = 100.0
 NETWORK_EVERY_S = 0.8
-#: Both runs happen, side by side, in the first test that needs them: far above their ~2.5 min.
+#: Both runs happen in the first test that needs them: far above their ~2 min each.
 TIMEOUT_S = 900
 MIN_FAULTS = 100
 #: The chaos run's eval loss against the fault-free run's at equal steps, mean of the last
@@ -63,7 +62,7 @@ MIN_FAULTS = 100
 EQUAL_STEPS_BOUND = 1.05
 MiB = 2**20
 
-# Two runs of 100 s, side by side: `make test-slow`.
+# Two runs of 100 s each: `make test-slow`.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(TIMEOUT_S)]
 
 
@@ -72,38 +71,20 @@ def _say(report: ChaosReport, what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[ChaosReport, ChaosReport]:
-    """The chaos run and the fault-free run, side by side on the same host: what is compared
-    between them is measured at equal steps (eval loss) or against each run's own wall time
-    (goodput), so each may take any share of the cores, and the suite waits for one run's length
-    instead of two."""
-    plans = (
-        ChaosPlan(
-            work=tmp_path_factory.mktemp("chaos"),
-            duration_s=DURATION_S,
-            network_every_s=NETWORK_EVERY_S,
-            keep_curve=True,
-        ),
-        ChaosPlan(
-            work=tmp_path_factory.mktemp("fault-free"), duration_s=DURATION_S, faults=False, keep_curve=True
-        ),
-    )
-    with ThreadPoolExecutor(len(plans), thread_name_prefix="run") as pool:
-        chaos_run, fault_free_run = (pool.submit(ChaosRun(plan).run) for plan in plans)
-        reports = chaos_run.result(), fault_free_run.result()
-    for report, what in zip(reports, ("chaos run", "fault-free run"), strict=True):
-        _say(report, what)
-    return reports
+def chaos(tmp_path_factory: pytest.TempPathFactory) -> ChaosReport:
+    work = tmp_path_factory.mktemp("chaos")
+    plan = ChaosPlan(work=work, duration_s=DURATION_S, network_every_s=NETWORK_EVERY_S, keep_curve=True)
+    report = ChaosRun(plan).run()
+    _say(report, "chaos run")
+    return report
 
 
 @pytest.fixture(scope="module")
-def chaos(runs: tuple[ChaosReport, ChaosReport]) -> ChaosReport:
-    return runs[0]
-
-
-@pytest.fixture(scope="module")
-def fault_free(runs: tuple[ChaosReport, ChaosReport]) -> ChaosReport:
-    return runs[1]
+def fault_free(tmp_path_factory: pytest.TempPathFactory) -> ChaosReport:
+    work = tmp_path_factory.mktemp("fault-free")
+    report = ChaosRun(ChaosPlan(work=work, duration_s=DURATION_S, faults=False, keep_curve=True)).run()
+    _say(report, "fault-free run")
+    return report
 
 
 def _where(report: ChaosReport) -> Path:

@@ -142,10 +142,10 @@ def test_what_the_table_allows_is_acyclic() -> None:
         visit(part, ())
 
 
-def absolute_imports(path: Path) -> set[str]:
-    """The top-level names of every absolute import in a module."""
+def absolute_imports(path: Path, tree: ast.AST | None = None) -> set[str]:
+    """The top-level names of every absolute import in a module (`tree`: the module, parsed)."""
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(tree or ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             names |= {alias.name.partition(".")[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and not node.level:
@@ -163,7 +163,7 @@ def test_no_test_module_or_bench_script_is_imported() -> None:
         tree = ast.parse(path.read_text(encoding="utf-8"))
         relative = any(isinstance(node, ast.ImportFrom) and node.level for node in ast.walk(tree))
         siblings = scripts if path.parent.name == "bench" else set()  # a test may import stdlib codecs
-        beyond = absolute_imports(path) & ({"tests", "bench"} | siblings)
+        beyond = absolute_imports(path, tree) & ({"tests", "bench"} | siblings)
         if relative or beyond:
             wrong.append(f"{path.relative_to(ROOT)}: {sorted(beyond) or 'a relative import'}")
     assert not wrong, "\n".join(wrong)

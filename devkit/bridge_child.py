@@ -13,7 +13,7 @@ from typing import Any
 
 from dilocod.learner.arena import Arena
 from dilocod.learner.bridge import Adopt, Inbox, Snapshot
-from dilocod.learner.netproc import Channel, ChildBridge, ProcessBridge, SentCounts
+from dilocod.learner.netproc import Channel, ChildBridge, ProcessBridge
 
 #: The longest any one wait here lasts.
 DEADLINE_S = 10.0
@@ -22,9 +22,9 @@ DEADLINE_S = 10.0
 class ChildOnThread:
     """A ChildBridge on its own event loop thread, as in the network process (without a Link)."""
 
-    def __init__(self, sock: socket.socket, counts: SentCounts, arena: Arena | None = None) -> None:
+    def __init__(self, sock: socket.socket, arena: Arena | None = None) -> None:
         self.loop = asyncio.new_event_loop()
-        self.bridge = ChildBridge(Channel(sock, counts, SentCounts.CHILD), arena)
+        self.bridge = ChildBridge(Channel(sock), arena)
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.call(self.bridge.start, self.loop, [])

@@ -20,11 +20,10 @@ Two AF_UNIX SOCK_SEQPACKET socketpairs join the processes:
   parent for progress and STATUS lines and for the watchdog (a child whose loop stalls stops the
   pings).
 
-Each end of the data socket also writes how many datagrams it has sent into a page both processes
-map (SentCounts), and reads the other's count before it reads the socket: a recvmsg that finds
-nothing costs the training thread 10-15 µs at its boundary, and every boundary would make one to
-learn that the queue is empty. The socket itself is read to its end (which also shows a peer that
-has gone) once every EOF_CHECK_S, and whenever the parent was woken by it.
+The training side reads the data socket at each boundary, to its end (which also shows a peer that
+has gone): one non-blocking recvmsg when nothing came, 2-3 µs (bench/notes/network-process-polling.md:
+a page of sent counts both processes mapped, to skip that read, saved under 0.003 % of a 100 ms
+step and is gone).
 
 Every message is one small msgpack datagram, a note of dilocod.learner.ipc: a frozen dataclass
 encoded by its to_wire and read back by a validating decoder, so that a note that is not what its
@@ -145,9 +144,6 @@ POLL_MAX_SLEEP_S = 0.25
 COALESCE_MIN_STEP_S = 4 * OUTBOX_POLL_S
 #: Step times the child keeps to estimate the next step (it uses the shortest).
 STEP_TIMES_KEPT = 8
-#: A receiver that reads only what the other end's count says is there reads the socket to its end
-#: this often, so that a peer that closed it (or died) is noticed.
-EOF_CHECK_S = 0.25
 STOP_TIMEOUT_S = 30.0
 CONFIG_TIMEOUT_S = 30.0
 #: recvmsg's arguments, computed once: the flags are IntFlag members, whose arithmetic runs Python
@@ -241,56 +237,15 @@ class Mapper:
 # ----------------------------------------------------------------------------- datagrams
 
 
-class SentCounts:
-    """How many datagrams each end of the data socket has sent, in one page both processes map
-    (memfd, passed to the child at its start). Each count is written only by its sender, after the
-    sendmsg that put the datagram in the other end's queue, and only grows: a receiver that reads a
-    count a moment old reads a datagram at its next turn instead, never one that is not there."""
-
-    PARENT = 0
-    CHILD = 8  # a cache line apart: each side writes its own line
-    _BYTES = 4096
-
-    def __init__(self, fd: int | None = None) -> None:
-        """A new page (the parent), or the one passed as fd (the child)."""
-        if fd is None:
-            fd, self._map = _shared_memory("dilocod-counts", self._BYTES)
-        else:
-            self._map = mmap.mmap(fd, self._BYTES)
-        #: The descriptor to pass to the child; the mapping holds a reference of its own.
-        self.fd: int | None = fd
-        #: Native 8-byte words: a whole-word store and load each (no torn count on a 64-bit host).
-        self.words = memoryview(self._map).cast("Q")
-
-    def close_fd(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
 class Channel:
     """One end of a SEQPACKET socket: messages out without ever blocking (what the socket cannot
-    take now waits here for the next send()), messages in as they are there.
+    take now waits here for the next send()), messages in as they are there."""
 
-    With `counts`, this end publishes its sent count in counts.words[mine] and reads only as many
-    datagrams as the other end's count shows (see SentCounts), the socket to its end every
-    EOF_CHECK_S or after check_now()."""
-
-    def __init__(self, sock: socket.socket, counts: SentCounts | None = None, mine: int = 0) -> None:
+    def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         sock.setblocking(False)
         self._out: deque[tuple[bytes, list[int]]] = deque()
         self._eof = False
-        self._counts = counts
-        self._mine = mine
-        self._theirs = SentCounts.CHILD if mine == SentCounts.PARENT else SentCounts.PARENT
-        self._sent = 0
-        self._received = 0
-        self._check_at = 0.0  # when to read the socket to its end next (at once, the first time)
-
-    def check_now(self) -> None:
-        """Read the socket to its end at the next receive(): it was seen readable."""
-        self._check_at = 0.0
 
     def queue(self, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
         body = msgpack.packb(message, use_bin_type=True)
@@ -312,9 +267,6 @@ class Channel:
             for fd in fds:
                 os.close(fd)  # the other side holds its own copy of the descriptor now
             self._out.popleft()
-            self._sent += 1
-            if self._counts is not None:
-                self._counts.words[self._mine] = self._sent
         return True
 
     def receive(self) -> list[tuple[dict[str, Any], list[int]]]:
@@ -322,17 +274,8 @@ class Channel:
         out: list[tuple[dict[str, Any], list[int]]] = []
         if self._eof:
             raise PeerClosedError("the other process closed its end")
-        limit = None  # read until the socket is empty
-        if self._counts is not None:
-            now = time.monotonic()
-            if now < self._check_at:
-                limit = self._counts.words[self._theirs] - self._received
-                if limit <= 0:
-                    return out
-            else:
-                self._check_at = now + EOF_CHECK_S
         reset = False
-        while limit is None or len(out) < limit:
+        while True:
             try:
                 body, ancillary, flags, _ = self.sock.recvmsg(MAX_DATAGRAM_BYTES, _ANCILLARY_BYTES)
             except BlockingIOError:
@@ -367,9 +310,7 @@ class Channel:
                 raise NetworkProcessError(f"an unreadable message from the other process: {exc}") from None
             if not isinstance(message, dict):  # what kind of note it is, dilocod.learner.ipc reads
                 raise NetworkProcessError("a message from the other process that is not a map")
-            self._received += 1
             out.append((message, fds))
-        return out
 
 
 def _read(raw: dict[str, Any], fds: list[int], mapper: Mapper, sender: str) -> Note:
@@ -410,8 +351,7 @@ class ProcessBridge:
 
     def __init__(self) -> None:
         data, self._child_data = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.counts = SentCounts()
-        self.channel = Channel(data, self.counts, SentCounts.PARENT)
+        self.channel = Channel(data)
         self.process: subprocess.Popen[bytes] | None = None
         self._mapper = Mapper()
         self._lender = Lender()
@@ -467,10 +407,8 @@ class ProcessBridge:
 
     def wait(self, timeout_s: float) -> None:
         """Block until the child sends something or timeout_s passes (tau = 0, the first heal)."""
-        idle = self._mailbox.idle
-        # Woken by the socket: read it at the next take, whether or not the child's count shows it yet.
-        if idle and select.select([self.channel.sock], [], [], max(0.0, timeout_s))[0]:
-            self.channel.check_now()
+        if self._mailbox.idle:
+            select.select([self.channel.sock], [], [], max(0.0, timeout_s))  # read at the next take
 
     def snapshot_buffer(self, size: int) -> memoryview:
         """Where the runtime copies a requested fragment: a buffer the child maps."""
@@ -587,9 +525,8 @@ class ProcessBridge:
         """Start the child on the other ends of the sockets and hand it its configuration, and the
         anchors' arena (a shared one, populated) to cut the first anchors from."""
         command = [sys.executable, "-m", "dilocod.learner.netproc"]
-        assert self.counts.fd is not None, "spawned twice"
-        fds = (self._child_data.fileno(), side.fileno(), self.counts.fd)
-        command += ["--data-fd", str(fds[0]), "--side-fd", str(fds[1]), "--counts-fd", str(fds[2])]
+        fds: tuple[int, ...] = (self._child_data.fileno(), side.fileno())
+        command += ["--data-fd", str(fds[0]), "--side-fd", str(fds[1])]
         if arena is not None and arena.fd is not None:
             fds += (arena.fd,)
             command += ["--arena-fd", str(arena.fd), "--arena-bytes", str(arena.size)]
@@ -599,7 +536,6 @@ class ProcessBridge:
         finally:
             self._child_data.close()
             side.close()
-            self.counts.close_fd()
             if arena is not None:
                 arena.close()  # the child has its own descriptor; the mapping stays
         self.channel.queue(config.to_wire())
@@ -610,7 +546,6 @@ class ProcessBridge:
         if self.closed:
             return None if self.process is None else self.process.returncode
         self.closed = True
-        self.counts.close_fd()
         with contextlib.suppress(OSError):
             if self._snapshots:
                 self.flush(wait=True)  # the last boundary's deferred pushes still go
@@ -1093,7 +1028,6 @@ def child(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="dilocod learner's network process (started by the learner)")
     parser.add_argument("--data-fd", type=int, required=True)
     parser.add_argument("--side-fd", type=int, required=True)
-    parser.add_argument("--counts-fd", type=int, required=True)
     parser.add_argument("--arena-fd", type=int, help="the anchors' memfd (dilocod.learner.arena)")
     parser.add_argument("--arena-bytes", type=int, help="its size")
     args = parser.parse_args(argv)
@@ -1110,9 +1044,7 @@ def child(argv: Sequence[str] | None = None) -> int:
     if not select.select([data], [], [], CONFIG_TIMEOUT_S)[0]:
         log.error("no configuration from the learner", waited_s=CONFIG_TIMEOUT_S)
         return 1
-    counts = SentCounts(args.counts_fd)
-    counts.close_fd()  # mapped: the descriptor is not needed again
-    channel = Channel(data, counts, SentCounts.CHILD)
+    channel = Channel(data)
     first = channel.receive()
     if not first:
         log.error("no configuration from the learner")

@@ -133,7 +133,7 @@ def test_across_processes_an_anchor_given_back_while_a_push_reads_it_is_kept() -
     (the runtime applied a newer version at that boundary): the child holds it for the push,
     and an update that arrives meanwhile lands in another buffer."""
     parent = ProcessBridge()
-    child = ChildOnThread(parent._child_data, parent.counts)
+    child = ChildOnThread(parent._child_data)
     try:
         receive_update(child, 0, 1, bytes([1]) * SIZE, heal=True)
         (heal,) = take_until(parent, lambda i: i.updates).updates

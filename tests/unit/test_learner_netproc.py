@@ -13,7 +13,6 @@ import socket
 import threading
 from collections.abc import Iterator
 
-import msgpack
 import pytest
 import structlog
 
@@ -31,7 +30,6 @@ from dilocod.learner.netproc import (
     Mapper,
     NetworkProcessError,
     ProcessBridge,
-    SentCounts,
     _take_fds,
 )
 from dilocod.wire.manifest import ModelEntry, TensorEntry
@@ -69,34 +67,6 @@ def test_datagrams_carry_messages_and_descriptors() -> None:
     right.close()
 
 
-def test_a_receiver_reads_what_the_senders_count_shows() -> None:
-    """With a page of counts, a receiver calls recvmsg only for datagrams the other end has counted
-    (none when the count is unchanged: the training thread's boundary makes no empty read), and
-    reads the socket to its end when told it is readable, which also shows an end that is gone."""
-    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    counts = SentCounts()
-    a = Channel(left, counts, SentCounts.PARENT)
-    b = Channel(right, counts, SentCounts.CHILD)
-    assert b.receive() == []  # the first receive reads to the end: nothing there
-    a.queue({"k": "one"})
-    a.send()
-    assert counts.words[SentCounts.PARENT] == 1
-    assert [m["k"] for m, _ in b.receive()] == ["one"]
-    # A datagram the sender has not counted yet (sent, its count not yet written) waits ...
-    left.sendmsg([msgpack.packb({"k": "uncounted"})])
-    assert b.receive() == []
-    # ... until the count shows it, or the receiver is told the socket is readable.
-    counts.words[SentCounts.PARENT] += 1
-    assert [m["k"] for m, _ in b.receive()] == ["uncounted"]
-    left.close()
-    assert b.receive() == []  # the count is unchanged: the end is not seen yet
-    b.check_now()
-    with pytest.raises(NetworkProcessError, match="closed its end"):
-        b.receive()
-    right.close()
-    counts.close_fd()
-
-
 def test_lent_buffers_are_shared_and_reused() -> None:
     lender, mapper = Lender(), Mapper()
     bid, view, fd = lender.borrow(4096 + 3)
@@ -117,7 +87,7 @@ def test_lent_buffers_are_shared_and_reused() -> None:
 @pytest.fixture
 def pair() -> Iterator[Pair]:
     parent = ProcessBridge()
-    child = ChildOnThread(parent._child_data, parent.counts)
+    child = ChildOnThread(parent._child_data)
     try:
         yield parent, child
     finally:
@@ -203,7 +173,7 @@ def test_posts_due_at_once_in_one_turn_of_a_uvloop_loop() -> None:
     turn must not ask it (three pushes failing as their session closed once raised here)."""
     uvloop = pytest.importorskip("uvloop")
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    bridge = ChildBridge(Channel(mine, SentCounts(), SentCounts.CHILD))
+    bridge = ChildBridge(Channel(mine))
     loop = uvloop.new_event_loop()
 
     async def post_in_one_turn() -> None:
@@ -257,7 +227,6 @@ def test_an_unreadable_message_stops_the_child_with_a_reason(pair: Pair) -> None
     parent, child = pair
     with structlog.testing.capture_logs() as logs:  # before sending: the child may read it at once
         parent.channel.sock.sendmsg([b"\xc1 not msgpack"])
-        parent.counts.words[SentCounts.PARENT] += 1  # counted, as Channel.send would
         for _ in range(100):
             if child.call(child.bridge.closed.is_set):
                 break
@@ -518,9 +487,7 @@ def test_first_anchors_cross_as_pieces_of_the_training_sides_arena() -> None:
     assert owner.fd is not None
     parent = ProcessBridge()
     parent._mapper.arena = owner  # as spawn does
-    child = ChildOnThread(
-        parent._child_data, parent.counts, Arena(owner.size, shared=True, fd=os.dup(owner.fd))
-    )
+    child = ChildOnThread(parent._child_data, Arena(owner.size, shared=True, fd=os.dup(owner.fd)))
     try:
         child.call(child.bridge.expect_anchors, [ALIGN + 5, 64])
         receive_update(child, 0, 1, b"\x07" * (ALIGN + 5), heal=True)

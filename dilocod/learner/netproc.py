@@ -11,19 +11,21 @@ Two AF_UNIX SOCK_SEQPACKET socketpairs join the processes:
   fatal error; ReleaseNote), parent to child the configuration first (ConfigNote), then the outbox
   (OutboxNote: step reports, snapshots of requested fragments; NewBuffersNote). The
   training thread touches it only at step boundaries and never waits on it (except where the
-  runtime waits anyway: the first heal, tau = 0). The child reads it on a timer, near the
-  boundaries it expects (OUTBOX_POLL_S, POLL_AHEAD_S), so that the training thread's send never
-  has to wake a sleeping process, and forwards what arrives in the first half of a step in one
-  datagram at half-step (COALESCE_MIN_STEP_S): each datagram costs the training thread a read and
-  a decode at its boundary.
+  runtime waits anyway: the first heal, tau = 0). The child waits on it in its event loop like
+  on any other socket, and forwards what the Link posts once per turn of its loop: one datagram
+  for what arrived together, and nothing held back.
 - side: the child's link statistics (StatsNote) once a second, read by a small thread of the
   parent for progress and STATUS lines and for the watchdog (a child whose loop stalls stops the
   pings).
 
 The training side reads the data socket at each boundary, to its end (which also shows a peer that
-has gone): one non-blocking recvmsg when nothing came, 2-3 µs (bench/notes/network-process-polling.md:
-a page of sent counts both processes mapped, to skip that read, saved under 0.003 % of a 100 ms
-step and is gone).
+has gone): one non-blocking recvmsg when nothing came, 2-3 µs. Three devices once saved the
+training thread microseconds at its boundary and are gone, because none paid at the steps of 100 ms
+and more this is for (bench/notes/network-process-polling.md): a page of sent counts both
+processes mapped, to skip that empty read (2-3 µs); the child reading its socket on a 1 ms timer,
+so that the boundary's send never woke a process (8-10 µs a send, for 0.6-0.9 % of the child's
+core at a 100 ms step); and holding what arrived in a step's first half for one datagram at
+half-step (one read and decode, about 30 µs).
 
 Every message is one small msgpack datagram, a note of dilocod.learner.ipc: a frozen dataclass
 encoded by its to_wire and read back by a validating decoder, so that a note that is not what its
@@ -123,27 +125,6 @@ STATS_EVERY_S = 1.0
 #: carry them (each datagram the training thread reads costs it a cold recvmsg and a decode). The
 #: training side borrows a new buffer when none of a size is free, so this delays nothing.
 RELEASE_DELAY_S = 0.05
-#: The child reads the training side's datagrams on this timer instead of sleeping on the socket: a
-#: sendmsg that must wake a process blocked on the socket costs its sender about 30 µs more (the
-#: boundary's one sendmsg took 45 µs, 13 µs with the timer), and the sender is the training thread
-#: at its step boundary. The timer costs the network process a thousand short wake-ups a second on
-#: its own core and delays a push by half a millisecond on average.
-OUTBOX_POLL_S = 0.001
-#: Between boundaries the child polls only near the next one it expects (the last boundary plus the
-#: shortest of the recent steps): it sleeps until POLL_AHEAD_S (or a quarter step, if less) before,
-#: then polls every OUTBOX_POLL_S until the outbox comes. A step that ends sooner than that waits
-#: for its push at most as long; the child never sleeps longer than POLL_MAX_SLEEP_S, so that a
-#: training side that leaves is noticed.
-POLL_AHEAD_S = 0.01
-POLL_MAX_SLEEP_S = 0.25
-#: What reaches the child in the first half of a training step is forwarded in one datagram at
-#: half-step (the update of the fragment pushed at the boundary and the next request usually
-#: arrive a few milliseconds apart, and each datagram the training side reads costs it about 70 µs
-#: at its boundary). Not for steps shorter than this, where the child's view of the boundary (one
-#: poll late) is too coarse to hold anything safely.
-COALESCE_MIN_STEP_S = 4 * OUTBOX_POLL_S
-#: Step times the child keeps to estimate the next step (it uses the shortest).
-STEP_TIMES_KEPT = 8
 STOP_TIMEOUT_S = 30.0
 CONFIG_TIMEOUT_S = 30.0
 #: recvmsg's arguments, computed once: the flags are IntFlag members, whose arithmetic runs Python
@@ -622,7 +603,7 @@ def open_network_process() -> tuple[ProcessBridge, SideReader, socket.socket]:
 
 class ChildBridge(Bridge):
     """The Link's Bridge in the child: what the Link posts is forwarded to the parent (once per
-    loop iteration), what the parent sends is handed to the Link as snapshots and step reports.
+    turn of the loop), what the parent sends is handed to the Link as snapshots and step reports.
 
     Its pool's buffers are shared memory the parent maps: the Link receives updates into them,
     and the parent holds each one it was sent until it gives it back ("release" in its outbox)."""
@@ -639,15 +620,8 @@ class ChildBridge(Bridge):
         self.pool = BufferPool(self._shared_buffer)
         #: id(θ view) -> (the parent's buffer id, the view) for the snapshots the Link holds.
         self._thetas: dict[int, tuple[int, memoryview]] = {}
-        #: The forward scheduled, and for when (by the loop's clock): uvloop gives a call due now a
-        #: plain Handle, which does not say when it is due.
+        #: The forward scheduled for the loop's next turn (what is posted before it shares its datagram).
         self._forward_handle: asyncio.Handle | None = None
-        self._forward_at = 0.0
-        #: When the training side's last boundary was seen (its outbox), by the loop's clock, and
-        #: its recent step times: what tells the child how long a message may wait to be forwarded.
-        self._boundary_at: float | None = None
-        self._step_times: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
-        self._overlap: int | None = None  # tau from the plan; until a plan, nothing waits
         #: The training side's snapshot buffers, pushed and waiting to be given back with the
         #: next inbox message (or alone, RELEASE_DELAY_S after the first of them).
         self._releases: list[int] = []
@@ -696,19 +670,17 @@ class ChildBridge(Bridge):
         """Serve the data socket on loop, starting with messages read before (with the config)."""
         self._loop = loop
         self._handle(backlog)
-        loop.call_later(OUTBOX_POLL_S, self._poll)
+        loop.add_reader(self.channel.sock.fileno(), self._on_readable)
 
     # -- the Link posts (on the loop)
 
     def post_plan(self, plan: Any) -> None:
         super().post_plan(plan)
-        # Lock-step waits for what is forwarded, whatever tau: nothing is held back for it.
-        self._overlap = 0 if plan.lockstep else plan.overlap
-        self._schedule(urgent=True)
+        self._schedule()
 
     def post_update(self, adopt: Adopt) -> None:
         super().post_update(adopt)
-        self._schedule(urgent=adopt.heal)
+        self._schedule()
 
     def post_request(self, request: Any) -> None:
         super().post_request(request)
@@ -716,40 +688,16 @@ class ChildBridge(Bridge):
 
     def post_fatal(self, message: str) -> None:
         super().post_fatal(message)
-        self._schedule(urgent=True)
+        self._schedule()
 
     def post_lost(self, lost: LostPush) -> None:
         super().post_lost(lost)
         self._schedule()
 
-    def _schedule(self, *, urgent: bool = False) -> None:
-        """Forward what was posted at once, or at half-step when that is still ahead (see
-        COALESCE_MIN_STEP_S); a forward already due sooner stays."""
-        if self._loop is None:
-            return
-        at = self._loop.time() + (0.0 if urgent else self._hold_s())
-        if self._forward_handle is not None:
-            if self._forward_at <= at:
-                return
-            self._forward_handle.cancel()
-        self._forward_handle, self._forward_at = self._loop.call_at(at, self._forward), at
-
-    def _last_step(self) -> tuple[float, float] | None:
-        """When the training side's last boundary was seen and the shortest of its recent steps:
-        what both the forwarding and the polling go by; None until both are known."""
-        if self._boundary_at is None or not self._step_times:
-            return None
-        return self._boundary_at, min(self._step_times)
-
-    def _hold_s(self) -> float:
-        """How long a message may wait for others to share its datagram: until half a step after
-        the training side's last boundary. Never in lock-step (tau = 0 or PLAN quorum 0: the
-        training side waits for it), before the first plan and step reports, or for short steps."""
-        last = self._last_step()
-        if self._loop is None or self._overlap in (None, 0) or last is None or last[1] < COALESCE_MIN_STEP_S:
-            return 0.0
-        boundary_at, step_s = last
-        return max(0.0, boundary_at + step_s / 2 - self._loop.time())
+    def _schedule(self) -> None:
+        """Forward what was posted on the loop's next turn, with whatever else is posted before it."""
+        if self._loop is not None and self._forward_handle is None:
+            self._forward_handle = self._loop.call_soon(self._forward)
 
     def _forward(self) -> None:
         self._forward_handle = None
@@ -823,33 +771,23 @@ class ChildBridge(Bridge):
 
     # -- the parent's outbox (on the loop)
 
-    def _poll(self) -> None:
+    def _on_readable(self) -> None:
         try:
             messages = self.channel.receive()
         except PeerClosedError:
-            self.closed.set()  # the parent has left (or died): no more polling
+            self._stop_reading()  # the parent has left (or died)
             return
         except NetworkProcessError as exc:
             log.error("the training process's messages cannot be read: the network stops", error=str(exc))
-            self.closed.set()
+            self._stop_reading()
             return
-        assert self._loop is not None
-        try:
-            if messages:
-                self._handle(messages)
-        finally:  # a message handled wrongly is logged by the loop, and polling goes on
-            self._loop.call_at(self._next_poll_at(), self._poll)
+        if messages:  # a message handled wrongly is logged by the loop, and reading goes on
+            self._handle(messages)
 
-    def _next_poll_at(self) -> float:
-        """When to read the training side's datagrams next (POLL_AHEAD_S)."""
+    def _stop_reading(self) -> None:
         assert self._loop is not None
-        now = self._loop.time()
-        last = self._last_step()
-        if last is None:
-            return now + OUTBOX_POLL_S
-        boundary_at, step_s = last
-        expected = boundary_at + step_s
-        return min(max(now + OUTBOX_POLL_S, expected - min(POLL_AHEAD_S, step_s / 4)), now + POLL_MAX_SLEEP_S)
+        self._loop.remove_reader(self.channel.sock.fileno())
+        self.closed.set()
 
     def _handle(self, messages: Sequence[tuple[dict[str, Any], list[int]]]) -> None:
         for raw, fds in messages:
@@ -862,11 +800,8 @@ class ChildBridge(Bridge):
 
     def _take_outbox(self, outbox: OutboxNote) -> None:
         """A boundary's step reports and snapshots to the Link, then the buffers given back."""
-        if self._loop is not None:
-            self._boundary_at = self._loop.time()
         for item in outbox.steps:
             self.report_step(item, wake=False)
-            self._step_times.append(item.step_time_s)
         for note in outbox.snapshots:
             empty = bytearray()
             if note.empty:  # NOTHING_TO_PUSH: no buffer

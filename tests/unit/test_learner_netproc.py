@@ -32,8 +32,8 @@ from dilocod.learner.netproc import (
     ProcessBridge,
     _take_fds,
 )
-from dilocod.wire.manifest import ModelEntry, TensorEntry
-from dilocod.wire.messages import FragmentRequest, Plan
+from dilocod.wire.manifest import TensorEntry
+from dilocod.wire.messages import FragmentRequest
 
 #: The training side and the network process's side of one boundary, both in this process.
 Pair = tuple[ProcessBridge, ChildOnThread]
@@ -168,9 +168,9 @@ def test_a_lost_push_crosses_to_the_training_side(pair: Pair) -> None:
     assert parent.take().lost == []
 
 
-def test_posts_due_at_once_in_one_turn_of_a_uvloop_loop() -> None:
-    """uvloop gives a call due now a plain Handle, which has no when(): a second post in the same
-    turn must not ask it (three pushes failing as their session closed once raised here)."""
+def test_posts_in_one_turn_of_a_uvloop_loop() -> None:
+    """Posts of one turn on uvloop (three pushes failing as their session closed) share a forward;
+    uvloop gives a call due now a plain Handle, without when(), which once raised here."""
     uvloop = pytest.importorskip("uvloop")
     mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     bridge = ChildBridge(Channel(mine))
@@ -185,6 +185,9 @@ def test_posts_due_at_once_in_one_turn_of_a_uvloop_loop() -> None:
     try:
         # Mutation caught: asking the Handle for when() (AttributeError).
         loop.run_until_complete(post_in_one_turn())
+        loop.run_until_complete(asyncio.sleep(0))  # the forward's turn
+        raw, _fds = Channel(theirs).receive()[0]
+        assert raw["k"] == "inbox" and not Channel(theirs).receive()  # one datagram
     finally:
         loop.close()
         mine.close()
@@ -349,11 +352,6 @@ def test_given_back_buffers_ride_on_the_next_inbox_message(
     assert child.call(lambda: (child.bridge._releases, child.bridge._release_timer)) == ([], None)
 
 
-def _plan(overlap: int) -> Plan:
-    model = (ModelEntry("a", "float32", (4,)), ModelEntry("b", "float32", (4,)))
-    return Plan("inc", model, ((("a", 0, 4),), (("b", 0, 4),)), (0, 0), 2, overlap, 1)
-
-
 def _count_datagrams(child: ChildOnThread) -> list[str]:
     """The kinds of the messages the child sends from now on."""
     kinds: list[str] = []
@@ -367,77 +365,38 @@ def _count_datagrams(child: ChildOnThread) -> list[str]:
     return kinds
 
 
-def _at_a_boundary(parent: ProcessBridge, child: ChildOnThread, overlap: int, step_s: float) -> list[str]:
-    """A plan taken, then a boundary whose outbox reports a step of step_s; the kinds of what the
-    child sends after that."""
-    child.call(child.bridge.post_plan, _plan(overlap))
-    take_until(parent, lambda i: i.plan is not None)
-    before = child.call(lambda: child.bridge._boundary_at)
-    parent.report_step(StepReportItem(1, 64, step_s), wake=False)
-    parent.flush()
-    for _ in range(100):  # the child reads the outbox on its timer
-        if child.call(lambda: child.bridge._boundary_at) != before:
-            break
-        threading.Event().wait(DEADLINE_S / 100)
-    return _count_datagrams(child)
-
-
-def test_what_arrives_in_a_step_s_first_half_shares_one_datagram(pair: Pair) -> None:
+def test_what_is_posted_in_one_turn_shares_one_datagram_and_nothing_waits(pair: Pair) -> None:
+    """The child forwards on its loop's next turn: posts of one turn (a request and an update that
+    arrived together) go in one datagram, and a post alone goes at once, with no boundary seen and
+    nothing held for a later one (the half-step coalescing is gone)."""
     parent, child = pair
-    step_s = 4.0  # the child holds what arrives now until two seconds after the boundary
-    kinds = _at_a_boundary(parent, child, overlap=2, step_s=step_s)
-    child.call(child.bridge.post_request, FragmentRequest(1, 5, 0))
-    for _ in range(5):  # held: a tenth of a second of boundaries sees nothing
-        assert parent.take().requests == []
-        threading.Event().wait(0.02)
-    child.call(child.bridge.post_update, Adopt(0, 1, bytearray(16), False, "inc"))
+    kinds = _count_datagrams(child)
+
+    def post_two() -> None:
+        child.bridge.post_request(FragmentRequest(1, 5, 0))
+        child.bridge.post_update(Adopt(0, 1, bytearray(16), False, "inc"))
+
+    child.call(post_two)
     inbox = take_until(parent, lambda i: i.requests)
-    assert [u.version for u in inbox.updates] == [1]  # the update came with the request
-    assert kinds == ["inbox"]
+    assert [u.version for u in inbox.updates] == [1] and kinds == ["inbox"]
+    child.call(child.bridge.post_request, FragmentRequest(0, 6, 0))  # no outbox since: not held
+    assert [r.round for r in take_until(parent, lambda i: i.requests).requests] == [6]
+    # Mutation caught: a forward per post (three datagrams), or one held for a boundary.
+    assert kinds == ["inbox", "inbox"]
 
 
-def test_a_heal_a_lock_step_plan_or_a_short_step_is_not_held(pair: Pair) -> None:
+def test_the_child_reads_an_outbox_as_it_arrives(pair: Pair) -> None:
+    """The child waits on its socket, not on a timer near the boundary it expects: a step report
+    sent long before any boundary the child could expect reaches the Link."""
     parent, child = pair
-    kinds = _at_a_boundary(parent, child, overlap=2, step_s=60.0)
-    child.call(child.bridge.post_request, FragmentRequest(1, 5, 0))
-    child.call(child.bridge.post_update, Adopt(0, 1, bytearray(16), True, "inc"))  # a heal: at once
-    inbox = take_until(parent, lambda i: i.updates)
-    assert [r.round for r in inbox.requests] == [5] and kinds == ["inbox"]  # the request went with it
-    for overlap, step_s in ((0, 60.0), (2, netproc.COALESCE_MIN_STEP_S / 2)):
-        kinds = _at_a_boundary(parent, child, overlap=overlap, step_s=step_s)
-        child.call(child.bridge.post_request, FragmentRequest(0, 6, 0))
-        assert [r.round for r in take_until(parent, lambda i: i.requests).requests] == [6]
-    # A short step's half is too short to see end to end: ask the child, at a boundary it has
-    # just seen, how long it would hold a message (a millisecond, were short steps not exempt).
-    bridge = child.bridge
-
-    def hold_right_after_a_boundary() -> float:
-        assert bridge._loop is not None
-        bridge._boundary_at = bridge._loop.time()
-        return bridge._hold_s()
-
-    assert child.call(hold_right_after_a_boundary) == 0.0
-
-
-def test_between_boundaries_the_child_polls_only_near_the_next(
-    pair: Pair, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """After a boundary that reported a 2 s step, the child reads the training side's datagrams
-    again only POLL_AHEAD_S before the next boundary it expects, not every millisecond."""
-    monkeypatch.setattr(netproc, "POLL_MAX_SLEEP_S", DEADLINE_S)
-    parent, child = pair
-    _at_a_boundary(parent, child, overlap=2, step_s=2.0)
-    seen = child.call(lambda: child.bridge._boundary_at)
-    parent.report_step(StepReportItem(2, 64, 2.0), wake=False)
-    parent.flush()  # an outbox long before the boundary the child expects
-    threading.Event().wait(0.3)  # a stretch of time in which nothing may happen
-    assert child.call(lambda: child.bridge._boundary_at) == seen
+    parent.report_step(StepReportItem(2, 64, 60.0), wake=False)
+    parent.flush()
     for _ in range(100):
-        read_at = child.call(lambda: child.bridge._boundary_at)
-        if read_at != seen:
+        _snapshots, steps = child.call(child.bridge.drain)
+        if steps:
             break
         threading.Event().wait(DEADLINE_S / 100)
-    assert read_at - seen >= 2.0 - netproc.POLL_AHEAD_S - netproc.OUTBOX_POLL_S
+    assert [(s.step, s.tokens) for s in steps] == [(2, 64)]
 
 
 def test_a_peer_that_closes_with_messages_unread_is_a_close_not_a_fault() -> None:

@@ -424,7 +424,8 @@ def test_any_order_of_events_keeps_the_session_invariants(
         elif op < 0.54 and live and (alive := [i for i, (up, _) in pair.links.items() if up.alive]):
             index = rng.choice(alive)
             for pipe in pair.links[index]:  # mostly in the middle of a chunk (landing in place?)
-                if pipe.packets and rng.random() < 0.8:
+                # (A packet's last byte, left by an earlier partial delivery, has no middle.)
+                if pipe.packets and len(pipe.packets[0]) > 1 and rng.random() < 0.8:
                     pair.deliver(pipe, rng.randrange(1, len(pipe.packets[0])))
             pair.lose(index)
         elif op < 0.56 and pair.unnoticed:

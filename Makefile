@@ -29,12 +29,12 @@ define run_pytest
 	if [ $$rc -eq 5 ]; then echo "make $@: no tests were collected" >&2; exit 1; fi; exit $$rc
 endef
 
-# Tests run in parallel (pytest-xdist), one worker per core and one more, up to 4: most of a test's
+# Tests run in parallel (pytest-xdist), a worker per core and one more, up to 4: most of a test's
 # time is spent waiting on the real processes it starts, so a worker per core leaves a core idle
-# while its test waits (2 cores: 400 s with 2 workers, 306 s with 3; the slow tests 213 s, 188 s). test-slow runs the chaos tests
-# alone first (their bounds hold on the host's cores, not on what a second worker leaves of them),
-# then the other slow tests in parallel, test by test (the equivalence cases of one file spread over
-# the workers).
+# while its test waits (on 2 cores, 3 workers against 2: make test 306 s against 400 s, the slow
+# tests 188 s against 213 s). test-slow runs the chaos tests alone first (their bounds hold on the
+# host's cores, not on what a second worker leaves of them), then the other slow tests in
+# parallel, test by test (the equivalence cases of one file spread over the workers).
 CORES := $(shell nproc 2>/dev/null || echo 2)
 WORKERS ?= $(shell echo $$(( $(CORES) + 1 < 4 ? $(CORES) + 1 : 4 )))
 

@@ -77,7 +77,7 @@ from dilocod.transport.errors import SessionClosed, TransferFailed
 from dilocod.transport.loop import run
 from dilocod.transport.session import FragmentReceived, Session
 from dilocod.wire.codecs import chunk_checksums
-from dilocod.wire.manifest import ModelEntry, TensorEntry, pack_manifest
+from dilocod.wire.manifest import ModelEntry, TensorEntry, fragment_manifest
 from dilocod.wire.messages import Error, FragmentRequest, Join, Plan, PushHeader, StepReport, UpdateHeader
 from dilocod.wire.stream import StreamHeader
 
@@ -283,8 +283,8 @@ def make_gradients(plan: Plan, chunk_bytes: int, seed: int) -> list[Gradient]:
     shapes = {e.name: e.shape for e in plan.model}
     generator = torch.Generator().manual_seed(seed)
     gradients = []
-    for names in plan.fragments:
-        manifest, raw = pack_manifest([(n, "float32", shapes[n]) for n in names])
+    for pieces in plan.fragments:
+        manifest, raw = fragment_manifest(pieces, shapes)
         buffer = bytearray(raw)
         values = torch.frombuffer(buffer, dtype=torch.float32)
         values.copy_(torch.randn(values.numel(), generator=generator) * 1e-3)

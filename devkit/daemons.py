@@ -122,12 +122,12 @@ class DaemonProcess:
             records = [_record(line) for line in self.lines]
         return [r for r in records if r is not None and r.get("event") == event]
 
-    def stop(self) -> int:
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
         """SIGTERM and wait: the orderly shutdown (checkpoint, goodbye)."""
         if self.alive():
             self.process.send_signal(signal.SIGTERM)
         try:
-            return self.process.wait(timeout=STOP_TIMEOUT_S)
+            return self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()

@@ -1,4 +1,4 @@
-"""Both ends of the learner's process boundary (dilocod.learner.netproc) in one process: a
+"""Both ends of the learner's process boundary (dilocod.learner.netproc, netchild) in one process: a
 ChildBridge on its own event loop thread, as in the network process (without a Link), and the moves
 the tests make on either side (an update received by the child, step boundaries on the training
 side, snapshots drained by the child). Every wait has a deadline; none of it knows about a test."""
@@ -13,7 +13,9 @@ from typing import Any
 
 from dilocod.learner.arena import Arena
 from dilocod.learner.bridge import Adopt, Inbox, Snapshot
-from dilocod.learner.netproc import Channel, ChildBridge, ProcessBridge
+from dilocod.learner.channel import Channel
+from dilocod.learner.netchild import ChildBridge
+from dilocod.learner.netproc import ProcessBridge
 
 #: The longest any one wait here lasts.
 DEADLINE_S = 10.0

@@ -262,7 +262,7 @@ def learner(config_file: Path | None, uvloop: bool, **flags: Any) -> None:
             os.environ.get("OMP_NUM_THREADS"),
         ),
     )
-    from dilocod.learner.netproc import NetworkProcessError  # noqa: PLC0415
+    from dilocod.learner.channel import NetworkProcessError  # noqa: PLC0415
     from dilocod.model.entry import StepFailed  # noqa: PLC0415
     from dilocod.ops.notify import Notifier  # noqa: PLC0415
     from dilocod.ops.statedir import EX_STATE_NOT_SAVED, StateNotSaved  # noqa: PLC0415

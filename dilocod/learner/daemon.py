@@ -64,7 +64,7 @@ class LearnerSetup:
     use_uvloop: bool = True
     #: Set under torchrun (WORLD_SIZE > 1): this process is one rank of an island.
     island: IslandConfig | None = None
-    #: "process": the link runs in a child process (dilocod.learner.netproc); "thread": here.
+    #: "process": the link runs in a child process (dilocod.learner.netchild); "thread": here.
     network: str = "process"
     #: What the command read about this host's cores, for torch's intra-op threads; None leaves
     #: torch's choice alone.

@@ -1,6 +1,6 @@
-"""Every message between the learner's two processes (dilocod.learner.netproc), as frozen dataclasses
-with an encoder (to_wire) and a validating decoder (from_wire, and note_from_wire for whichever
-kind arrives).
+"""Every message between the learner's two processes (dilocod.learner.netproc, netchild), as frozen
+dataclasses with an encoder (to_wire) and a validating decoder (from_wire, and note_from_wire for
+whichever kind arrives).
 
 Each note travels as one msgpack map {"k": kind, ...}, one datagram, and is read back field by
 field with its type checked, so a note that is not what it says is an IpcError naming the note and

@@ -114,7 +114,7 @@ def _network_processes(pid: int) -> list[int]:
         return []
     for child in children:
         try:
-            if b"dilocod.learner.netproc" in Path(f"/proc/{child}/cmdline").read_bytes():
+            if b"dilocod.learner.netchild" in Path(f"/proc/{child}/cmdline").read_bytes():
                 found.append(child)
         except OSError:
             continue  # gone
@@ -137,7 +137,7 @@ def test_syncer_and_learner_memory_stay_near_their_floors(
     syncer_base = _interpreter_kib(
         "torch", "dilocod.cli", "dilocod.syncer.daemon", "dilocod.syncer.service", then=built_and_dropped
     )
-    child_base = _interpreter_kib("dilocod.learner.netproc")
+    child_base = _interpreter_kib("dilocod.learner.netchild")
     alone = _entry_alone_kib()
     alone_pss = alone["peak_pss_kib"]
     entry = "dilocod.examples.scale:make_trainer"

@@ -130,12 +130,12 @@ def test_a_push_is_what_the_torch_path_made(precision: str) -> None:
 
 
 def test_the_network_process_imports_no_torch() -> None:
-    """What the child imports to run a Link at fp32 (netproc's entry and its lazy imports, the Link,
+    """What the child imports to run a Link at fp32 (netchild's entry and its lazy imports, the Link,
     the push worker's δ, the codec timing): a fresh interpreter, then sys.modules."""
     code = (
         "import sys\n"
-        "import dilocod.learner.netproc\n"
-        "from dilocod.learner.netproc import decode_config, _child_main\n"
+        "import dilocod.learner.netchild\n"
+        "from dilocod.learner.netchild import decode_config, _child_main\n"
         "from dilocod.learner.link import Link, LinkConfig, compute_push, codec_figures\n"
         "from dilocod.transport.credentials import client_context\n"
         "from dilocod.tuning.advice import advice_from_json\n"

@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dilocod.learner.bridge import LostPush, Snapshot, StepReportItem
+from dilocod.learner.channel import Mapper, NetworkProcessError, read_note
 from dilocod.learner.control import Control, UpdateNote
 from dilocod.learner.ipc import (
     DELTA_IN_THETA,
@@ -33,14 +34,8 @@ from dilocod.learner.ipc import (
     step_to_wire,
 )
 from dilocod.learner.link import LinkConfig
-from dilocod.learner.netproc import (
-    Mapper,
-    NetworkProcessError,
-    ProcessBridge,
-    _read,
-    decode_config,
-    encode_config,
-)
+from dilocod.learner.netchild import decode_config
+from dilocod.learner.netproc import ProcessBridge, encode_config
 from dilocod.tuning.advice import Advice
 from dilocod.tuning.codecs import CodecFigure
 from dilocod.wire.manifest import ModelEntry
@@ -248,7 +243,7 @@ def test_a_bad_note_stops_the_training_side_with_its_name_and_closes_its_descrip
     note and the field, and the descriptors that came with the datagram closed."""
     read, write = os.pipe()
     with pytest.raises(NetworkProcessError, match="the child: an inbox note names 0 buffers for 1 updates"):
-        _read(_with(_INBOX, ids=[]), [read, write], Mapper(), "the child")
+        read_note(_with(_INBOX, ids=[]), [read, write], Mapper(), "the child")
     for fd in (read, write):
         with pytest.raises(OSError):
             os.fstat(fd)

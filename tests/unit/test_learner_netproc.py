@@ -1,6 +1,6 @@
-"""The process boundary of the learner's network (dilocod.learner.netproc) on real sockets and real
-shared memory, both ends in this process: datagrams with descriptors, lent buffers and their
-return, and the two bridges talking (an update reaches the training side byte for byte in memory
+"""The process boundary of the learner's network (dilocod.learner.channel, netproc, netchild) on real
+sockets and real shared memory, both ends in this process: datagrams with descriptors, lent buffers
+and their return, and the two bridges talking (an update reaches the training side byte for byte in memory
 the child received it in; a snapshot reaches the child with that very buffer as its anchor and θ in
 the parent's buffer; superseded and replaced buffers come back, and a buffer a push still reads is
 not reused)."""
@@ -17,21 +17,22 @@ import pytest
 import structlog
 
 from devkit.bridge_child import DEADLINE_S, ChildOnThread, drain_snapshots, receive_update, take_until
-from dilocod.learner import netproc
+from dilocod.learner import netchild
 from dilocod.learner.arena import ALIGN, Arena, arena_size
 from dilocod.learner.bridge import Adopt, LostPush, Snapshot, StepReportItem, newer_update
-from dilocod.learner.ipc import NewBuffer
-from dilocod.learner.link import compute_push
-from dilocod.learner.netproc import (
+from dilocod.learner.channel import (
     MAX_DATAGRAM_BYTES,
     Channel,
-    ChildBridge,
     Lender,
     Mapper,
     NetworkProcessError,
-    ProcessBridge,
+    PeerClosedError,
     _take_fds,
 )
+from dilocod.learner.ipc import NewBuffer
+from dilocod.learner.link import compute_push
+from dilocod.learner.netchild import ChildBridge
+from dilocod.learner.netproc import ProcessBridge
 from dilocod.wire.manifest import TensorEntry
 from dilocod.wire.messages import FragmentRequest
 
@@ -335,7 +336,7 @@ def test_given_back_buffers_ride_on_the_next_inbox_message(
 ) -> None:
     """The child holds the snapshot buffers it copied out until its next inbox message, so the
     training side reads one datagram per boundary fewer (alone after RELEASE_DELAY_S, above)."""
-    monkeypatch.setattr(netproc, "RELEASE_DELAY_S", DEADLINE_S)  # only the inbox message can carry it
+    monkeypatch.setattr(netchild, "RELEASE_DELAY_S", DEADLINE_S)  # only the inbox message can carry it
     parent, child = pair
     snapshot, copy = _snapshot_in_flight(parent, child, fragment=1, round_=4, size=128)
     copy.finished = True
@@ -413,7 +414,7 @@ def test_a_peer_that_closes_with_messages_unread_is_a_close_not_a_fault() -> Non
     # Mutation caught: ConnectionResetError taken as "the other process is gone" (a fault, and the
     # last datagram lost).
     assert [m["k"] for m, _ in b.receive()] == ["last"]
-    with pytest.raises(netproc.PeerClosedError):
+    with pytest.raises(PeerClosedError):
         b.receive()
     right.close()
 

@@ -14,8 +14,8 @@ back) and passes its descriptor once with SCM_RIGHTS, with the note that first n
 side maps it once (Mapper), or, for a piece of the anchors' arena that both already map
 (dilocod.learner.arena), only learns its offset.
 
-Hand-written because no library frames datagrams with descriptors: multiprocessing's connections
-are byte streams that pickle, and pass no memory.
+Written by hand: multiprocessing's Connection is a pickled byte stream, and its descriptor passing
+(multiprocessing.reduction.sendfds) is a send of its own, not part of a message.
 """
 
 from __future__ import annotations

@@ -38,10 +38,11 @@ stdlib's sources), same number of training tokens; the number compared is the ev
   momentum), **c-bf16** c with the syncer's --update-precision bf16 (updates rounded to bfloat16),
   **solo** one learner's batch (16) alone for --steps steps, 1/M of the tokens (what the
   M learners would reach without any merging).
-- Sweep rows (only with --only): c or f, then what they change, in this order: **-lr<η>**,
-  **-m<μ>**, **-g<gamma>**, **-kl**. E.g. `c-lr1-m0.5-g1-kl` is c with --outer-lr 1
+- Sweep rows (only with --only): c, e or f, then what they change, in this order: **-lr<η>**,
+  **-m<μ>**, **-g<gamma>**, **-kl**, **-arr**. E.g. `c-lr1-m0.5-g1-kl` is c with --outer-lr 1
   --outer-momentum 0.5 --grace-factor 1 and every learner --apply keep-local; `f-lr0.5-m0.8` is f
-  (one learner killed twice) with --outer-lr 0.5 --outer-momentum 0.8.
+  (one learner killed twice) with --outer-lr 0.5 --outer-momentum 0.8; `c-arr` is c with every
+  learner --answer arrival.
 
 Across an emulated WAN (root): `--wan 2gbit,100ms [--wan-emulator PATH]` runs the daemon rows with
 the syncer in one network namespace and the learners in the other (netem where the kernel has it,
@@ -162,7 +163,7 @@ VARIANTS = {
 }
 DEFAULT_ONLY = "a,b,c,d,e,f,g,h"
 SWEEP_KEY = re.compile(
-    r"(?P<base>[cf])(?:-lr(?P<lr>\d+(?:\.\d+)?))?(?:-m(?P<mom>\d+(?:\.\d+)?))?(?:-g(?P<grace>\d+(?:\.\d+)?))?(?P<kl>-kl)?"
+    r"(?P<base>[cef])(?:-lr(?P<lr>\d+(?:\.\d+)?))?(?:-m(?P<mom>\d+(?:\.\d+)?))?(?:-g(?P<grace>\d+(?:\.\d+)?))?(?P<kl>-kl)?(?P<arr>-arr)?"
 )
 
 
@@ -186,9 +187,13 @@ def variant_for(key: str) -> Variant | None:
     if match["grace"] is not None:
         syncer_args += ["--grace-factor", match["grace"]]
         changes.append(f"--grace-factor {match['grace']}")
-    learner_args = ("--apply", "keep-local") if match["kl"] else ()
-    if learner_args:
+    learner_args: tuple[str, ...] = ()
+    if match["kl"]:
+        learner_args += ("--apply", "keep-local")
         changes.append("--apply keep-local")
+    if match["arr"]:
+        learner_args += ("--answer", "arrival")
+        changes.append("--answer arrival")
     base = VARIANTS[match["base"]]
     label = f"{match['base']} with {' '.join(changes)}"
     return dataclasses.replace(
@@ -425,6 +430,7 @@ def run_daemons(
             "learner_exit_codes": codes,
             "learners_wall_s": round(wall_s, 1),
             "rounds_merged": count_rounds(syncer.log_path),
+            "contributions": contributions(syncer.log_path),
             "rounds_abandoned": egress.get("rounds_abandoned"),
             "rounds_skipped": egress.get("rounds_skipped"),
             # Rounds due by the syncer's clock (H clock steps per fragment cycle of P rounds).
@@ -495,6 +501,22 @@ def count_rounds(log_path: Path) -> int | None:
                 if isinstance(record, dict) and "contributors" in record:
                     count += 1
     return count or None
+
+
+def contributions(log_path: Path) -> dict[str, float]:
+    """The pushes merged, from the syncer's `round merged` lines: fresh (answering the round they
+    were merged in) and late (carried from an earlier round of their fragment), and per round."""
+    fresh = late = rounds = 0
+    with log_path.open("rb") as lines:
+        for raw in lines:
+            with contextlib.suppress(ValueError):
+                record = json.loads(raw)
+                if isinstance(record, dict) and record.get("event") == "round merged":
+                    rounds += 1
+                    for answered in record.get("push_rounds", ()):
+                        fresh += answered == record["round"]
+                        late += answered != record["round"]
+    return {"fresh": fresh, "late": late, "per_round": round((fresh + late) / max(1, rounds), 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -575,7 +597,12 @@ def main(argv: list[str] | None = None) -> int:
                 row.update(link={"rate": rate, "rtt_ms": rtt_ms, "delay_by": delay_by})
             row.update(label=variant.label, wall_s=round(time.monotonic() - started, 1))
             results[key] = row
-            say(f"  {key:<8} {variant.label:<52} eval loss {row['eval_loss']:.4f}  ({row['wall_s']:.0f} s)")
+            merged = row.get("contributions")
+            pushes = f", pushes fresh {merged['fresh']} late {merged['late']}" if merged else ""
+            say(
+                f"  {key:<8} {variant.label:<52} eval loss {row['eval_loss']:.4f}  "
+                f"({row['wall_s']:.0f} s{pushes})"
+            )
     document: dict[str, Any] = {}
     if args.out.exists():
         document = json.loads(args.out.read_text())

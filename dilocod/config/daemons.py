@@ -39,6 +39,8 @@ MERGES = ("rda", "mean")
 APPLY_MODES = ("overwrite", "mix", "keep-local")
 ANCHORS = ("host", "device")
 NETWORKS = ("process", "thread")
+#: learner.cadence.ANSWERS (a test holds them equal).
+ANSWERS = ("due-step", "arrival")
 
 _ENTRY_HELP = "MODULE:FACTORY (or an installed dilocod.trainers name) of the training."
 _SECRET_HELP = "File holding the shared secret (at least 16 bytes)."
@@ -196,6 +198,15 @@ class LearnerConfig:
         "overwrite", text(APPLY_MODES), "overwrite, mix or keep-local: how merged fragments are applied."
     )
     mix_alpha: float = setting(0.5, number(0.0, 1.0), "Weight of the local fragment in --apply mix.")
+    #: Decoupled only (lock-step always snapshots at the due step): learner.cadence.Cadence.answer_now.
+    answer: str = setting(
+        "due-step",
+        text(ANSWERS),
+        "Decoupled (--quorum K on the syncer): when a request for a fragment is answered. due-step: at "
+        "the round's due step of this learner's own count, or at the first step boundary after the "
+        "request if it came later; arrival: at the first step boundary after the request, also when "
+        "that is before the due step. Lock-step always answers at the due step.",
+    )
     #: On a GPU, where the anchors live: "host" or "device" (learner.runtime.RuntimeConfig.anchors).
     anchors: str = setting(
         "host",

@@ -5,8 +5,9 @@ Round r syncs fragment r mod P and falls due at step s_r = ceil((r + 1) * H / P)
 (dilocod.outer.schedule.due_step). In lock-step (PLAN quorum 0) the learner snapshots fragment p at
 exactly s_r, waiting there for the round's request, and applies the merge at exactly s_r + tau,
 waiting there for it (with tau = 0, before its next step). Decoupled (K < M), it never waits: a
-request is answered at s_r if it came by then, else at the first boundary after it came; a merge
-is applied at the first boundary after it came. How many steps late each snapshot and apply was
+request is answered at s_r if it came by then, else at the first boundary after it came (with
+`--answer arrival`, at the first boundary after it came even before s_r); a merge is applied at
+the first boundary after it came. How many steps late each snapshot and apply was
 is measured against s_r and s_r + tau.
 
 Must not import torch, networking, clocks or logging.
@@ -21,23 +22,37 @@ from dilocod.ops.figures import quantiles
 from dilocod.outer.schedule import due_step, round_fragment, rounds_due
 from dilocod.wire.messages import Plan
 
+#: When a decoupled learner answers a request (`--answer`): at its due step, or on arrival.
+ANSWERS = ("due-step", "arrival")
 #: Lateness samples kept by the learner for its progress line's median and p99.
 LATE_SAMPLES = 1024
 
 
 @dataclass(frozen=True, slots=True)
 class Cadence:
-    """The schedule a PLAN fixes: P, H, tau, lock-step, and the first round the syncer may ask."""
+    """The schedule a PLAN fixes (P, H, tau, lock-step, the first round the syncer may ask), and
+    the learner's own choice of when a decoupled request is answered (`--answer`)."""
 
     fragments: int
     sync_every: int
     overlap: int
     lockstep: bool
     first_round: int = 0
+    #: Decoupled only: answer a request at the first boundary after it came, even before its due step.
+    on_arrival: bool = False
 
     @classmethod
-    def of(cls, plan: Plan) -> Cadence:
-        return cls(len(plan.fragments), plan.sync_every, plan.overlap, plan.lockstep, plan.next_round)
+    def of(cls, plan: Plan, answer: str = ANSWERS[0]) -> Cadence:
+        if answer not in ANSWERS:
+            raise ValueError(f"answer must be one of {', '.join(ANSWERS)}, not {answer!r}")
+        return cls(
+            len(plan.fragments),
+            plan.sync_every,
+            plan.overlap,
+            plan.lockstep,
+            plan.next_round,
+            on_arrival=answer == "arrival",
+        )
 
     def due(self, round_index: int) -> int:
         """s_r: the step at whose boundary round round_index is served."""
@@ -52,11 +67,14 @@ class Cadence:
 
     def answer_now(self, round_index: int, step: int) -> bool:
         """Whether a request for round_index held at this step's boundary is answered now: at its
-        due step or later. Decoupled, also a request whose due step is more than a cycle ahead:
-        the syncer's clock and this learner's count then disagree (it joined later, or restored an
-        older state), and holding the request a cycle would only keep its push out of every round."""
+        due step or later. Decoupled, also any request when answering on arrival, and a request
+        whose due step is more than a cycle ahead: the syncer's clock and this learner's count
+        then disagree (it joined later, or restored an older state), and holding the request a
+        cycle would only keep its push out of every round."""
         due = self.due(round_index)
-        return due <= step or (not self.lockstep and due - step > self.sync_every)
+        if due <= step:
+            return True
+        return not self.lockstep and (self.on_arrival or due - step > self.sync_every)
 
     def late(self, round_index: int, step: int) -> int:
         """Steps between round_index's due step and a snapshot at `step` (0 when not after it)."""

@@ -77,6 +77,8 @@ class RuntimeConfig:
     entry: str
     apply: str = _DEFAULTS.apply
     mix_alpha: float = _DEFAULTS.mix_alpha
+    #: When a decoupled request is answered (learner.cadence.Cadence.answer_now).
+    answer: str = _DEFAULTS.answer
     steps: int | None = _DEFAULTS.steps
     state_dir: Path | None = _DEFAULTS.state_dir
     save_every_s: float = _DEFAULTS.save_every_s
@@ -343,7 +345,7 @@ class TrainingLoop:
         if inbox.plan is not None:
             plan = inbox.plan
             self.layouts = layouts_for(plan, self.trainer.model)
-            self.cadence = Cadence.of(plan)
+            self.cadence = Cadence.of(plan, self.config.answer)
             if plan.incarnation != self.incarnation:
                 # Another syncer incarnation: what we pushed will not come back.
                 self.in_flight.clear()

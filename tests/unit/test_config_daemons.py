@@ -65,6 +65,7 @@ SAMPLE_VALUES: dict[str, object] = {
     "apply": "mix",
     "mix_alpha": 0.25,
     "anchors": "device",
+    "answer": "arrival",
     "save_every_s": 30,
     "join_timeout_s": 5,
     "progress_every_s": 2,
@@ -280,12 +281,15 @@ def test_an_unknown_flag_is_refused_naming_it() -> None:
 
 
 def test_the_copies_beside_the_math_are_the_math_s_own() -> None:
-    """config stays torch-free, so it writes the merges and apply modes out too."""
-    from dilocod.config import APPLY_MODES, MERGES
+    """config stays torch-free and stands on no daemon, so it writes the merges, apply modes and
+    answer schedules out too."""
+    from dilocod.config.daemons import ANSWERS, APPLY_MODES, MERGES
+    from dilocod.learner.cadence import ANSWERS as CADENCE_ANSWERS
     from dilocod.outer import APPLY_MODES as OUTER_APPLY_MODES
     from dilocod.outer.step import MERGES as OUTER_MERGES
 
     assert MERGES == OUTER_MERGES and APPLY_MODES == OUTER_APPLY_MODES
+    assert ANSWERS == CADENCE_ANSWERS
 
 
 # ------------------------------------------------------- the parts' configurations, derived

@@ -181,12 +181,14 @@ def rig(
     seed: int = 0,
     quorum: int = 1,
     path: str = "host",
+    answer: str = "due-step",
 ) -> Rig:
     job = Job(seed)
     config = RuntimeConfig(
         entry=ENTRY,
         apply=apply,
         mix_alpha=mix_alpha,
+        answer=answer,
         steps=steps,
         state_dir=state_dir,
         join_timeout_s=join_timeout_s,
@@ -808,6 +810,19 @@ def test_decoupled_request_is_held_to_its_due_step_and_lateness_is_counted() -> 
     assert (snap.round, snap.step) == (1, 3)
     assert r.loop.lateness.summary()["late_snapshots"] == 1
     assert list(r.loop.lateness.snapshots) == [1]
+
+
+def test_decoupled_answering_on_arrival_snapshots_at_the_next_boundary_and_is_not_late() -> None:
+    r = rig(answer="arrival")
+    r.heal(versions=(3, 5))
+    r.loop.boundary()
+    r.bridge.post_request(FragmentRequest(1, 1, 5))  # round 1: due at step 2
+    r.loop.one_step()
+    r.loop.boundary()
+    # Mutation caught: holding it to step 2 as due-step does.
+    (snap,), _ = r.bridge.drain()
+    assert (snap.round, snap.step) == (1, 1)
+    assert r.loop.lateness.summary()["late_snapshots"] == 0
 
 
 # ---------------------------------------------------------------------------- local state

@@ -23,7 +23,7 @@ equal steps), and the goodput of the surviving learner (c: network faults and th
 only, never killed or stopped) at least 85 %.
 
 Usage: python bench/chaos.py [--repeats 2] [--first-repeat 0] [--duration-s 150]
-       [--out bench/results/chaos.json] [--keep DIR]
+       [--out bench/results/chaos.json] [--keep DIR] [--learner-args '--answer arrival']
 A benchmark: it measures and records, it asserts nothing.
 """
 
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shlex
 import statistics
 import sys
 import tempfile
@@ -50,6 +51,7 @@ def row(report: ChaosReport) -> dict[str, Any]:
         "seed": report.plan.seed,
         "duration_s": report.plan.duration_s,
         "faults_on": report.plan.faults,
+        "learner_args": list(report.plan.learner_args),
         "learner_steps": {learner["id"]: learner["steps"] for learner in report.status.get("learners", [])},
     }
 
@@ -66,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration-s", type=float, default=150.0, help="length of each run's schedule")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON file the results go to")
     parser.add_argument("--keep", type=Path, default=None, help="keep the daemons' logs and state here")
+    parser.add_argument(
+        "--learner-args",
+        default="",
+        help="flags every learner of both runs gets, in one string (e.g. '--answer arrival')",
+    )
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.duration_s < 60 or args.first_repeat < 0:
         parser.error("--repeats must be >= 1, --duration-s >= 60 and --first-repeat >= 0")
@@ -89,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                     faults=faults,
                     seed=repeat,
                     keep_curve=True,
+                    learner_args=tuple(shlex.split(args.learner_args)),
                 )
                 report = ChaosRun(plan).run()
                 reports[repeat, faults] = report

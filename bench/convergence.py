@@ -562,10 +562,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--wan {args.wan!r}: {exc} (like 2gbit,100ms)")
     keys = [key.strip() for key in args.only.split(",") if key.strip()]
     unknown = [key for key in keys if variant_for(key) is None]
-    if unknown or args.steps < 1 or args.learners < 1:
-        parser.error(
-            f"unknown configurations {unknown}" if unknown else "--steps and --learners must be >= 1"
-        )
+    if unknown:
+        parser.error(f"unknown configurations {unknown}")
+    if len(set(keys)) < len(keys):
+        parser.error(f"--only names a row twice ({args.only}): for a second run of c, name c2")
+    if args.steps < 1 or args.learners < 1:
+        parser.error("--steps and --learners must be >= 1")
 
     def say(text: str) -> None:
         print(text, file=sys.stderr if args.json else sys.stdout, flush=True)

@@ -112,6 +112,8 @@ class ChaosPlan:
     #: charlm, the only one whose eval loss a report gives.
     entry: str = ""
     env: tuple[tuple[str, str], ...] = ()
+    #: Flags every learner is started with beyond the harness's own (e.g. ("--answer", "arrival")).
+    learner_args: tuple[str, ...] = ()
 
 
 # ------------------------------------------------------------------------------------- processes
@@ -336,6 +338,7 @@ class ChaosRun:
                 *("--seed", str(seed), "--codec", CODECS.get(name, "none"), *LEARNER_ARGS),
                 *("--state-dir", str(self.work / name)),
                 *self.entry_args,
+                *self.plan.learner_args,
             ],
             self.work / f"learner-{name}-{index}.log",
         )

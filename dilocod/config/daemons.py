@@ -40,7 +40,7 @@ APPLY_MODES = ("overwrite", "mix", "keep-local")
 ANCHORS = ("host", "device")
 NETWORKS = ("process", "thread")
 #: learner.cadence.ANSWERS (a test holds them equal).
-ANSWERS = ("due-step", "arrival")
+ANSWERS = ("arrival", "due")
 
 _ENTRY_HELP = "MODULE:FACTORY (or an installed dilocod.trainers name) of the training."
 _SECRET_HELP = "File holding the shared secret (at least 16 bytes)."
@@ -200,12 +200,12 @@ class LearnerConfig:
     mix_alpha: float = setting(0.5, number(0.0, 1.0), "Weight of the local fragment in --apply mix.")
     #: Decoupled only (lock-step always snapshots at the due step): learner.cadence.Cadence.answer_now.
     answer: str = setting(
-        "due-step",
+        "arrival",
         text(ANSWERS),
-        "Decoupled (--quorum K on the syncer): when a request for a fragment is answered. due-step: at "
-        "the round's due step of this learner's own count, or at the first step boundary after the "
-        "request if it came later; arrival: at the first step boundary after the request, also when "
-        "that is before the due step. Lock-step always answers at the due step.",
+        "Decoupled (--quorum K on the syncer): when a request for a fragment is answered. arrival: at "
+        "the first step boundary after it came, also when that is before the round's due step of this "
+        "learner's own count; due: held until that due step (the reference schedule; its pushes "
+        "then often miss their round and merge a cycle later). Lock-step always answers at the due step.",
     )
     #: On a GPU, where the anchors live: "host" or "device" (learner.runtime.RuntimeConfig.anchors).
     anchors: str = setting(

@@ -5,9 +5,9 @@ Round r syncs fragment r mod P and falls due at step s_r = ceil((r + 1) * H / P)
 (dilocod.outer.schedule.due_step). In lock-step (PLAN quorum 0) the learner snapshots fragment p at
 exactly s_r, waiting there for the round's request, and applies the merge at exactly s_r + tau,
 waiting there for it (with tau = 0, before its next step). Decoupled (K < M), it never waits: a
-request is answered at s_r if it came by then, else at the first boundary after it came (with
-`--answer arrival`, at the first boundary after it came even before s_r); a merge is applied at
-the first boundary after it came. How many steps late each snapshot and apply was
+request is answered at the first boundary after it came (`--answer arrival`, the default), or
+with `--answer due` at s_r if it came by then, else at the first boundary after it came; a
+merge is applied at the first boundary after it came. How many steps late each snapshot and apply was
 is measured against s_r and s_r + tau.
 
 Must not import torch, networking, clocks or logging.
@@ -22,8 +22,8 @@ from dilocod.ops.figures import quantiles
 from dilocod.outer.schedule import due_step, round_fragment, rounds_due
 from dilocod.wire.messages import Plan
 
-#: When a decoupled learner answers a request (`--answer`): at its due step, or on arrival.
-ANSWERS = ("due-step", "arrival")
+#: When a decoupled learner answers a request (`--answer`): on arrival, or at its due step.
+ANSWERS = ("arrival", "due")
 #: Lateness samples kept by the learner for its progress line's median and p99.
 LATE_SAMPLES = 1024
 
@@ -42,7 +42,7 @@ class Cadence:
     on_arrival: bool = False
 
     @classmethod
-    def of(cls, plan: Plan, answer: str = ANSWERS[0]) -> Cadence:
+    def of(cls, plan: Plan, answer: str) -> Cadence:
         if answer not in ANSWERS:
             raise ValueError(f"answer must be one of {', '.join(ANSWERS)}, not {answer!r}")
         return cls(

@@ -65,7 +65,7 @@ SAMPLE_VALUES: dict[str, object] = {
     "apply": "mix",
     "mix_alpha": 0.25,
     "anchors": "device",
-    "answer": "arrival",
+    "answer": "due",
     "save_every_s": 30,
     "join_timeout_s": 5,
     "progress_every_s": 2,

@@ -52,6 +52,6 @@ def test_decoupled_at_the_due_step_holds_an_early_request_at_most_a_cycle(
 
 def test_the_plan_fixes_the_schedule_and_the_learner_its_answer() -> None:
     assert Cadence.of(plan(quorum=1), "arrival") == Cadence(2, 4, 1, lockstep=False, on_arrival=True)
-    assert Cadence.of(plan(quorum=0)) == Cadence(2, 4, 1, lockstep=True, on_arrival=False)
-    with pytest.raises(ValueError, match="answer must be one of due-step, arrival, not 'soon'"):
+    assert Cadence.of(plan(quorum=0), "due") == Cadence(2, 4, 1, lockstep=True, on_arrival=False)
+    with pytest.raises(ValueError, match="answer must be one of arrival, due, not 'soon'"):
         Cadence.of(plan(quorum=1), "soon")

@@ -181,7 +181,7 @@ def rig(
     seed: int = 0,
     quorum: int = 1,
     path: str = "host",
-    answer: str = "due-step",
+    answer: str = "arrival",
 ) -> Rig:
     job = Job(seed)
     config = RuntimeConfig(
@@ -775,7 +775,8 @@ def test_lockstep_gives_up_after_join_timeout() -> None:
 
 
 def test_decoupled_tau0_never_waits() -> None:
-    r = rig(overlap=0, steps=3, join_timeout_s=DEADLINE_S)
+    r = rig(overlap=0, steps=3, join_timeout_s=DEADLINE_S, answer="due")
+    # Held to its due step (2), so that its push carries steps and a merge is awaited.
     r.heal()
     r.bridge.post_request(FragmentRequest(1, 1, 5))
     started = time.monotonic()
@@ -785,7 +786,8 @@ def test_decoupled_tau0_never_waits() -> None:
 
 
 def test_overlap_never_waits() -> None:
-    r = rig(overlap=2, steps=3, join_timeout_s=DEADLINE_S)
+    r = rig(overlap=2, steps=3, join_timeout_s=DEADLINE_S, answer="due")
+    # Held to its due step (2), so that its push carries steps and a merge is awaited.
     r.heal()
     r.bridge.post_request(FragmentRequest(1, 1, 5))
     started = time.monotonic()
@@ -795,7 +797,7 @@ def test_overlap_never_waits() -> None:
 
 
 def test_decoupled_request_is_held_to_its_due_step_and_lateness_is_counted() -> None:
-    r = rig()
+    r = rig(answer="due")
     r.heal(versions=(3, 5))
     r.loop.boundary()
     r.bridge.post_request(FragmentRequest(1, 1, 5))  # round 1: due at step 2
@@ -819,7 +821,7 @@ def test_decoupled_answering_on_arrival_snapshots_at_the_next_boundary_and_is_no
     r.bridge.post_request(FragmentRequest(1, 1, 5))  # round 1: due at step 2
     r.loop.one_step()
     r.loop.boundary()
-    # Mutation caught: holding it to step 2 as due-step does.
+    # Mutation caught: holding it to step 2 (--answer due).
     (snap,), _ = r.bridge.drain()
     assert (snap.round, snap.step) == (1, 1)
     assert r.loop.lateness.summary()["late_snapshots"] == 0

@@ -39,10 +39,10 @@ stdlib's sources), same number of training tokens; the number compared is the ev
   **solo** one learner's batch (16) alone for --steps steps, 1/M of the tokens (what the
   M learners would reach without any merging).
 - Sweep rows (only with --only): c, e or f, then what they change, in this order: **-lr<η>**,
-  **-m<μ>**, **-g<gamma>**, **-kl**, **-arr**. E.g. `c-lr1-m0.5-g1-kl` is c with --outer-lr 1
+  **-m<μ>**, **-g<gamma>**, **-kl**, **-due**. E.g. `c-lr1-m0.5-g1-kl` is c with --outer-lr 1
   --outer-momentum 0.5 --grace-factor 1 and every learner --apply keep-local; `f-lr0.5-m0.8` is f
-  (one learner killed twice) with --outer-lr 0.5 --outer-momentum 0.8; `c-arr` is c with every
-  learner --answer arrival.
+  (one learner killed twice) with --outer-lr 0.5 --outer-momentum 0.8; `c-due` is c with every
+  learner --answer due (requests held to their due step; arrival is the default).
 
 Across an emulated WAN (root): `--wan 2gbit,100ms [--wan-emulator PATH]` runs the daemon rows with
 the syncer in one network namespace and the learners in the other (netem where the kernel has it,
@@ -163,7 +163,7 @@ VARIANTS = {
 }
 DEFAULT_ONLY = "a,b,c,d,e,f,g,h"
 SWEEP_KEY = re.compile(
-    r"(?P<base>[cef])(?:-lr(?P<lr>\d+(?:\.\d+)?))?(?:-m(?P<mom>\d+(?:\.\d+)?))?(?:-g(?P<grace>\d+(?:\.\d+)?))?(?P<kl>-kl)?(?P<arr>-arr)?"
+    r"(?P<base>[cef])(?:-lr(?P<lr>\d+(?:\.\d+)?))?(?:-m(?P<mom>\d+(?:\.\d+)?))?(?:-g(?P<grace>\d+(?:\.\d+)?))?(?P<kl>-kl)?(?P<due>-due)?"
 )
 
 
@@ -191,9 +191,9 @@ def variant_for(key: str) -> Variant | None:
     if match["kl"]:
         learner_args += ("--apply", "keep-local")
         changes.append("--apply keep-local")
-    if match["arr"]:
-        learner_args += ("--answer", "arrival")
-        changes.append("--answer arrival")
+    if match["due"]:
+        learner_args += ("--answer", "due")
+        changes.append("--answer due")
     base = VARIANTS[match["base"]]
     label = f"{match['base']} with {' '.join(changes)}"
     return dataclasses.replace(

@@ -38,8 +38,9 @@ class Cadence:
     overlap: int
     lockstep: bool
     first_round: int = 0
-    #: Decoupled only: answer a request at the first boundary after it came, even before its due step.
-    on_arrival: bool = False
+    #: Decoupled only: answer a request at the first boundary after it came, even before its due
+    #: step (`--answer arrival`); no default here, the learner's setting has it.
+    on_arrival: bool = field(kw_only=True)
 
     @classmethod
     def of(cls, plan: Plan, answer: str) -> Cadence:

@@ -45,7 +45,7 @@ def test_decoupled_at_the_due_step_holds_an_early_request_at_most_a_cycle(
     schedule: tuple[int, int], round_index: int, step: int
 ) -> None:
     fragments, sync_every = schedule
-    cadence = Cadence(fragments, sync_every, 2, lockstep=False)
+    cadence = Cadence(fragments, sync_every, 2, lockstep=False, on_arrival=False)
     due = due_step(round_index, sync_every, fragments)
     assert cadence.answer_now(round_index, step) == (due <= step or due - step > sync_every)
 

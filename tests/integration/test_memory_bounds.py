@@ -14,7 +14,7 @@ stay within the bounds bench/scale.py measures at 256M and 1B (docs/design.md §
 
 Each bound also allows SLACK_MIB (half the model here) for what is not proportional to the model
 (Python objects, the allocator's free lists, a push or two more in flight when the host is loaded,
-as under `make test`'s parallel workers): at 64M the fragment terms are 11 MB each, so the test
+as under `make test-slow`'s parallel workers): at 64M the fragment terms are 11 MB each, so the test
 catches a model-sized copy (256 MiB), not a few fragments; bench/scale.py measures the bounds
 without slack at 256M and 1B.
 
@@ -46,13 +46,13 @@ FRAGMENTS = 24
 LARGEST_FRAGMENT = MODEL_BYTES // FRAGMENTS + 4096 * 4
 OVERLAP = 2
 ROUNDS = 2 * FRAGMENTS  # every fragment merged twice, a checkpoint among them
-#: A round per step (H = P): at 0.3 s the merge worker keeps up under make test's parallel load.
+#: A round per step (H = P): at 0.3 s the merge worker keeps up under the parallel workers' load.
 #: Faster steps outrun it there (10 rounds/s at 0.1 s), and the pushes queued for their merges
 #: are memory this bound does not allow for: the syncer has no backpressure on pushes yet.
 STEP_S = "0.3"
 TIMEOUT_S = 180.0
 #: Each daemon saves the 268 MB model (the syncer with its outer state) as it stops: the syncer's
-#: final checkpoint took 13.6 s under make test's parallel load, and over 30 s (devkit's default
+#: final checkpoint took 13.6 s under the parallel workers' load, and over 30 s (devkit's default
 #: deadline) with a second copy of the suite on the same 2 cores.
 STOP_TIMEOUT_S = 120.0
 SLACK_MIB = 128
@@ -121,6 +121,7 @@ def _network_processes(pid: int) -> list[int]:
     return found
 
 
+@pytest.mark.slow  # about 55 s and 30 s of CPU: the longest of the suite's single tests
 @pytest.mark.timeout(300)
 def test_syncer_and_learner_memory_stay_near_their_floors(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -394,13 +394,30 @@ def with_dilocod(args: argparse.Namespace, work: Path, anchors: str) -> dict[str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="The learner's GPU path on this host: one JSON.")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--layers", type=int, default=15)
-    parser.add_argument("--width", type=int, default=8192)
-    parser.add_argument("--batch", type=int, default=8192)
-    parser.add_argument("--steps", type=int, default=60, help="steps of the learner (alone: half)")
-    parser.add_argument("--anchors", default="host,device", help="--anchors of the runs with dilocod")
-    parser.add_argument("--timeout-s", type=float, default=150.0)
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where the model trains (default: cuda where torch sees a GPU, else cpu)",
+    )
+    parser.add_argument("--layers", type=int, default=15, help="Linear(width, width) layers (default 15)")
+    parser.add_argument(
+        "--width", type=int, default=8192, help="each layer's width (default 8192: 1.0B parameters)"
+    )
+    parser.add_argument("--batch", type=int, default=8192, help="random rows per step (default 8192)")
+    parser.add_argument(
+        "--steps", type=int, default=60, help="steps of the learner (alone: half; default 60)"
+    )
+    parser.add_argument(
+        "--anchors",
+        default="host,device",
+        help="--anchors of the runs with dilocod, one run each (default host,device)",
+    )
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=150.0,
+        help="deadline of each run with dilocod, in seconds (default 150)",
+    )
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args()
     started = time.monotonic()
